@@ -1,0 +1,26 @@
+"""hsserve: an LLM engine that returns hidden states, served from Triton Inference Server."""
+
+from hsserve.config import EngineConfig
+from hsserve.engine import Engine
+from hsserve.request import (
+    Delta,
+    FinishReason,
+    GenerationRequest,
+    HiddenStatesMode,
+    RequestError,
+    SamplingParams,
+)
+from hsserve.request_stream import RequestStream, Result
+
+__all__ = [
+    "Delta",
+    "Engine",
+    "EngineConfig",
+    "FinishReason",
+    "GenerationRequest",
+    "HiddenStatesMode",
+    "RequestError",
+    "RequestStream",
+    "Result",
+    "SamplingParams",
+]

@@ -1,0 +1,94 @@
+"""EngineConfig: every server-side setting, parsed from config.pbtxt parameters and validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from hsserve.request import HiddenStatesMode
+
+DEFAULT_MODEL = "default"
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    device: str = "auto"  # auto = cuda when available, else cpu
+    hidden_states_ceiling: HiddenStatesMode = HiddenStatesMode.FULL
+    # NOTE: None = every layer 0..L; else HF hidden_states indices (negative from the end).
+    hidden_layers_captured: tuple[int, ...] | None = None
+    max_num_seqs: int = 64
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    max_prompt_tokens: int = 0  # 0 = max_model_len
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 16
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_fraction: float = 0.9  # GPU: of free memory; CPU: of available RAM, see kv_cache_max_bytes
+    kv_cache_max_bytes: int = 4 << 30  # CPU ceiling for the pool
+    num_kv_blocks: int = 0  # >0 overrides the memory-derived size (tests, small pools)
+    enable_prefix_caching: bool = True
+    enable_cuda_graph: bool = True
+    cache_dir: str = ""  # where the default model is converted; "" = ~/.cache/hsserve
+    num_threads: int = 0  # CPU torch threads; 0 = torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} not in {_DTYPES}")
+        if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
+            raise ConfigError(f"device: {self.device!r}; allowed: auto, cpu, cuda[:N]")
+        for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "max_prompt_tokens", "num_kv_blocks", "num_threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError("kv_cache_memory_fraction: must be in (0, 1]")
+        if not 0 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ConfigError("default_max_tokens: must be in 0..max_tokens_limit")
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, Any]) -> EngineConfig:
+        """Parse string values (config.pbtxt `parameters`) into a validated config.
+
+        Unknown keys are refused so that a typo does not silently fall back to a default.
+        """
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in params.items():
+            if key not in known:
+                raise ConfigError(f"unknown parameter {key!r}; known: {sorted(known)}")
+            values[key] = _parse_value(key, known[key].type, str(raw).strip())
+        return cls(**values)
+
+
+def _parse_value(key: str, type_name: str, raw: str) -> Any:
+    try:
+        if key == "hidden_states_ceiling":
+            return HiddenStatesMode.parse(raw, key)
+        if key == "hidden_layers_captured":
+            if raw.lower() in ("", "all"):
+                return None
+            return tuple(int(x) for x in raw.replace(",", " ").split())
+        if type_name == "bool":
+            if raw.lower() in _TRUE:
+                return True
+            if raw.lower() in _FALSE:
+                return False
+            raise ValueError(f"expected one of {_TRUE + _FALSE}")
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+        return raw
+    except ValueError as e:
+        raise ConfigError(f"{key}: cannot parse {raw!r}: {e}") from None

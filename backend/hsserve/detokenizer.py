@@ -1,0 +1,60 @@
+"""Incremental detokenization that never splits a UTF-8 character, and stop-string matching."""
+
+from __future__ import annotations
+
+_CONTEXT_TOKENS = 6  # prompt tokens decoded as left context (leading-space rules of some vocabularies)
+
+
+class IncrementalDetokenizer:
+    """Decodes a window of recent tokens and emits only text that is complete.
+
+    `prefix` .. `read` is the window already turned into text; decoding prefix.. with the new
+    tokens and removing the window's text gives the new text. A trailing U+FFFD means the last
+    token ends inside a multi-byte character: nothing is emitted until it completes.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+
+class StopMatcher:
+    """Finds stop strings in generated text and holds back a tail that may still become one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""  # all generated text, stop string excluded once found
+        self.released = 0  # characters of `text` already handed out
+
+    def feed(self, delta: str) -> bool:
+        """Append text; True when a stop string appeared (text is cut before it)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def release(self, upto: int, final: bool) -> str:
+        """Text up to `upto` that is safe to send now; everything when `final`."""
+        end = len(self.text) if final else min(upto, len(self.text) - self.hold)
+        end = max(end, self.released)
+        out = self.text[self.released : end]
+        self.released = end
+        return out

@@ -1,0 +1,318 @@
+"""Engine: the loop thread. submit / abort from any thread; deltas go to each request's sink.
+
+One step: schedule (who runs) -> execute (tensors) -> postprocess (append, finish, free) ->
+publish deltas. Only the loop thread touches the scheduler, the pool and the executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from typing import Callable
+
+import torch
+
+from hsserve.config import EngineConfig
+from hsserve.detokenizer import IncrementalDetokenizer
+from hsserve.engine_setup import EngineParts, build_engine_parts
+from hsserve.executor import StepOutput
+from hsserve.request import Delta, FinishReason, GenerationRequest, HiddenStatesMode, RequestError
+from hsserve.request_stream import RequestStream
+from hsserve.scheduler import Chunk
+from hsserve.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[Delta], None]
+_STOP = object()
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None):
+        self.config = config
+        p = parts or build_engine_parts(config)
+        self.spec, self.model, self.tokenizer = p.spec, p.model, p.tokenizer
+        self.pool, self.scheduler, self.executor = p.pool, p.scheduler, p.executor
+        self.max_model_len, self.max_prompt_tokens = p.max_model_len, p.max_prompt_tokens
+        self.captured_layers = p.captured_layers
+        self.eos_ids = frozenset(self.spec.eos_token_ids)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._seqs: dict[str, Sequence] = {}  # NOTE: loop thread only
+        self._ids_lock = threading.Lock()
+        self._active_ids: set[str] = set()
+        self._arrivals = 0
+        self._rng = random.Random()
+        self.num_steps = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="hsserve-engine", daemon=True)
+        self._started = False
+        self._stopped = False
+
+    # ---- client side (any thread) -------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        return self
+
+    def submit(self, request: GenerationRequest, sink: Sink | None = None) -> Sink:
+        """Validate and enqueue; raises RequestError naming the bad input. Returns the sink."""
+        if self._stopped or not self._started:
+            raise RuntimeError("the engine is not running")
+        seq = self._make_sequence(request, sink or RequestStream(request.request_id))
+        with self._ids_lock:
+            if request.request_id in self._active_ids:
+                raise RequestError("request_id", f"{request.request_id!r} is already in flight")
+            self._active_ids.add(request.request_id)
+            self._arrivals += 1
+            seq.arrival = self._arrivals
+        self._inbox.put(("add", seq))
+        return seq.sink
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its sink gets a final delta with finish_reason 'cancelled'."""
+        self._inbox.put(("abort", request_id))
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None):
+        """Blocking convenience: submit and collect the Result."""
+        return self.submit(request).result(timeout)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still in flight end with an error delta."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._started:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- validation ---------------------------------------------------------------------------
+
+    def _prompt_ids(self, request: GenerationRequest) -> tuple[list[int], str]:
+        if (request.prompt is None) == (request.prompt_ids is None):
+            raise RequestError("text_input", "give exactly one of text_input or input_ids")
+        if request.prompt is not None:
+            if self.tokenizer is None:
+                raise RequestError("text_input", "this model has no tokenizer; send input_ids")
+            return list(self.tokenizer(request.prompt).input_ids), "text_input"
+        ids = [int(t) for t in request.prompt_ids]
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise RequestError(
+                "input_ids", f"token id {bad[0]} outside the vocabulary 0..{self.spec.vocab_size - 1}"
+            )
+        return ids, "input_ids"
+
+    def _make_sequence(self, request: GenerationRequest, sink: Sink) -> Sequence:
+        ids, name = self._prompt_ids(request)
+        sp = request.sampling
+        if not ids:
+            raise RequestError(name, "the prompt is empty")
+        if len(ids) > self.max_prompt_tokens:
+            raise RequestError(
+                name, f"the prompt has {len(ids)} tokens; max_prompt_tokens is {self.max_prompt_tokens}"
+            )
+        sp.validate(self.config.max_tokens_limit)
+        if len(ids) + (1 if sp.max_tokens else 0) > self.max_model_len:
+            raise RequestError(
+                name,
+                f"the prompt has {len(ids)} tokens; with max_tokens={sp.max_tokens} it must leave "
+                f"room within max_model_len={self.max_model_len}",
+            )
+        mode = HiddenStatesMode.parse(request.hidden_mode)
+        ceiling = self.config.hidden_states_ceiling
+        if mode > ceiling:
+            allowed = ", ".join(m.label for m in HiddenStatesMode if m <= ceiling)
+            raise RequestError(
+                "MODE", f"{mode.label!r} is above this server's ceiling {ceiling.label!r}; allowed: {allowed}"
+            )
+        layers: tuple[int, ...] = ()
+        if mode != HiddenStatesMode.NONE:
+            if not request.hidden_layers:
+                raise RequestError("hidden_layers", "empty; give at least one layer index")
+            layers = tuple(self._normalize_layer(k) for k in request.hidden_layers)
+        seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        seq = Sequence(request.request_id, ids, sp, seed, mode, layers, detok, sink, arrival=0)
+        if sp.max_tokens == 0:
+            seq.finish_reason = FinishReason.LENGTH  # NOTE: prompt only: no token is sampled
+        return seq
+
+    def _normalize_layer(self, k: int) -> int:
+        n = self.spec.num_layers
+        allowed = f"captured layers {list(self.captured_layers)} (or the same counted from the end)"
+        if not -(n + 1) <= k <= n:
+            raise RequestError("hidden_layers", f"layer {k} outside -{n + 1}..{n}; {allowed}")
+        k = self.spec.normalize_layer(k)
+        if k not in self.captured_layers:
+            raise RequestError("hidden_layers", f"layer {k} is not captured by this server; {allowed}")
+        return k
+
+    # ---- loop thread --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            while True:
+                if not self._drain(block=not self.scheduler.has_work()):
+                    break
+                if self.scheduler.has_work():
+                    try:
+                        self._step()
+                    except Exception as e:  # NOTE: fail what is in flight, keep serving
+                        log.exception("engine step failed")
+                        self.error = e
+                        self._fail_all(f"engine step failed: {e!r}")
+                else:
+                    self.pool.check_invariants()
+        finally:
+            self._fail_all("the engine shut down")
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued messages; False when asked to stop."""
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if msg is _STOP:
+                return False
+            kind, arg = msg
+            if kind == "add":
+                self._add(arg)
+            else:
+                self._abort(arg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, seq: Sequence) -> None:
+        self._seqs[seq.request_id] = seq
+        if seq.finish_reason is not None and not seq.wants_rows:
+            self._finish(seq)  # NOTE: prompt only and no rows asked: nothing to compute
+        else:
+            self.scheduler.add(seq)
+
+    def _abort(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            seq.finish_reason = FinishReason.CANCELLED
+            self._finish(seq, publish_rest=False)
+
+    def _step(self) -> None:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        out = self.executor.execute(chunks)
+        self.num_steps += 1
+        self._postprocess(chunks, out)
+
+    def _postprocess(self, chunks: list[Chunk], out: StepOutput) -> None:
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            seq.num_computed = c.end
+            rows = out.rows[i]
+            if rows is not None:
+                if seq.hidden_mode == HiddenStatesMode.FULL:
+                    seq.pending_rows.append(rows)
+                else:
+                    seq.last_row = rows
+            token = out.tokens[i]
+            if token is not None:
+                self._append_token(seq, token)
+            done = seq.finish_reason is not None and (
+                not seq.wants_rows or (c.completes and token is None)
+            )
+            if done:
+                self._finish(seq)
+            else:
+                self._publish(seq, final=False)
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        sp = seq.sampling
+        stopped = False
+        if seq.detokenizer is not None:
+            stopped = seq.stop.feed(seq.detokenizer.add(token))
+        seq.text_marks.append(len(seq.stop.text))
+        if stopped or token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
+            seq.finish_reason = FinishReason.STOP
+        elif seq.num_generated >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+
+    def _publish(self, seq: Sequence, final: bool) -> None:
+        """Send what is ready: tokens (with their rows in full mode) and their text."""
+        ready = seq.num_generated
+        if seq.hidden_mode == HiddenStatesMode.FULL and not final:
+            with_rows = seq.num_rows_sent + sum(len(r) for r in seq.pending_rows)
+            ready = min(ready, with_rows - seq.num_prompt_tokens)
+        new = ready - seq.num_tokens_sent
+        if new <= 0 and not final:
+            return
+        tokens = seq.output_ids[seq.num_tokens_sent : ready]
+        upto = 0
+        for _ in range(max(new, 0)):
+            upto = seq.text_marks.popleft()
+        text = seq.stop.release(upto, final)
+        hidden = None
+        if seq.hidden_mode == HiddenStatesMode.FULL and seq.pending_rows:
+            hidden = torch.cat(seq.pending_rows)
+            seq.num_rows_sent += len(hidden)
+            seq.pending_rows = []
+        elif final and seq.hidden_mode == HiddenStatesMode.LAST and seq.last_row is not None:
+            hidden = seq.last_row
+        seq.num_tokens_sent = ready
+        delta = Delta(
+            request_id=seq.request_id,
+            token_ids=tokens,
+            text=text,
+            hidden=hidden,
+            finish_reason=seq.finish_reason if final else None,
+            num_input_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_generated,
+        )
+        self._send(seq, delta)
+
+    def _send(self, seq: Sequence, delta: Delta) -> None:
+        try:
+            seq.sink(delta)
+        except Exception:  # NOTE: a broken sink must not stop the loop
+            log.exception("sink of request %s failed", seq.request_id)
+
+    def _finish(self, seq: Sequence, publish_rest: bool = True, error: str | None = None) -> None:
+        """Free the sequence's blocks and send its final delta (the rest of its output, or
+        nothing more when cancelled or failed)."""
+        self.scheduler.finish(seq)
+        self._seqs.pop(seq.request_id, None)
+        with self._ids_lock:
+            self._active_ids.discard(seq.request_id)
+        if publish_rest:
+            self._publish(seq, final=True)
+            return
+        final = Delta(
+            seq.request_id,
+            [],
+            "",
+            finish_reason=seq.finish_reason,
+            num_input_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_tokens_sent,
+            error=error,
+        )
+        self._send(seq, final)
+
+    def _fail_all(self, message: str) -> None:
+        for seq in list(self._seqs.values()):
+            seq.finish_reason = FinishReason.ERROR
+            self._finish(seq, publish_rest=False, error=message)

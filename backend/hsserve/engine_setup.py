@@ -1,0 +1,113 @@
+"""Build what an Engine is made of from an EngineConfig: model, tokenizer, KV pool, scheduler."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hsserve.block_pool import BlockPool
+from hsserve.config import DEFAULT_MODEL, ConfigError, EngineConfig
+from hsserve.executor import Executor
+from hsserve.models.decoder import Decoder
+from hsserve.models.default_model import ensure_default_model
+from hsserve.models.loader import load_model
+from hsserve.models.spec import ModelSpec
+from hsserve.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    spec: ModelSpec
+    model: Decoder
+    tokenizer: object | None
+    pool: BlockPool
+    scheduler: Scheduler
+    executor: Executor
+    max_model_len: int
+    max_prompt_tokens: int
+    captured_layers: tuple[int, ...]  # normalized 0..L
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def model_folder(config: EngineConfig) -> str:
+    if config.model in ("", DEFAULT_MODEL):
+        return ensure_default_model(config.cache_dir)
+    if not os.path.exists(os.path.join(config.model, "config.json")):
+        raise ConfigError(f"model: {config.model!r} is not a folder with config.json")
+    return config.model
+
+
+def load_tokenizer(folder: str):
+    if not any(
+        os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def num_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device, need: int) -> int:
+    """Blocks from the memory budget, never more than `need` (enough for every sequence)."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    block_bytes = config.block_size * spec.kv_elems_per_token * torch.finfo(dtype).bits // 8
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.kv_cache_memory_fraction)
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(config.kv_cache_max_bytes, int(available * config.kv_cache_memory_fraction))
+    return max(1, min(need, budget // block_bytes))
+
+
+def captured_layers(config: EngineConfig, spec: ModelSpec) -> tuple[int, ...]:
+    if config.hidden_layers_captured is None:
+        return tuple(range(spec.num_layers + 1))
+    try:
+        return tuple(sorted({spec.normalize_layer(k) for k in config.hidden_layers_captured}))
+    except ValueError as e:
+        raise ConfigError(f"hidden_layers_captured: {e}") from None
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    device = resolve_device(config.device)
+    if device.type == "cpu" and config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    folder = model_folder(config)
+    model = load_model(folder, config.dtype, device)
+    spec = model.spec
+    max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    bs = config.block_size
+    need = config.max_num_seqs * (-(-max_model_len // bs))
+    blocks = num_kv_blocks(config, spec, model.embed.dtype, device, need)
+    if blocks * bs < max_model_len:
+        log.warning("KV pool holds %d tokens: max_model_len lowered from %d", blocks * bs, max_model_len)
+        max_model_len = blocks * bs
+    kv_cache = torch.empty(
+        spec.num_layers, 2, blocks, bs, spec.num_kv_heads, spec.head_dim,
+        dtype=model.embed.dtype, device=device,
+    )
+    pool = BlockPool(blocks, bs)
+    log.info("model %s on %s (%s): %d KV blocks of %d tokens", folder, device, model.embed.dtype, blocks, bs)
+    return EngineParts(
+        spec=spec,
+        model=model,
+        tokenizer=load_tokenizer(folder),
+        pool=pool,
+        scheduler=Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens),
+        executor=Executor(model, kv_cache, bs),
+        max_model_len=max_model_len,
+        max_prompt_tokens=min(config.max_prompt_tokens or max_model_len, max_model_len),
+        captured_layers=captured_layers(config, spec),
+    )

@@ -1,0 +1,142 @@
+"""Executor: runs one scheduled batch on the device (mechanism only; policy is the scheduler's).
+
+Builds the flat token batch and its AttentionBatch, runs the decoder with hidden-state capture
+for the rows that leave the device, computes logits only where a token is sampled, samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hsserve.attention_batch import AttentionBatch, Span, visible_keys
+from hsserve.hidden_capture import HiddenCapture
+from hsserve.models.decoder import Decoder
+from hsserve.request import HiddenStatesMode
+from hsserve.sampler import sample
+from hsserve.scheduler import Chunk
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int | None]  # per chunk: the sampled token, None where none was sampled
+    rows: list[torch.Tensor | None]  # per chunk: [rows, len(layers) * hidden] float32 on the CPU
+    row_starts: list[int]  # per chunk: token position of its first returned row
+
+
+def rows_to_capture(chunk: Chunk) -> range:
+    """Token positions of this chunk whose hidden rows must leave the device."""
+    seq = chunk.seq
+    if seq.hidden_mode == HiddenStatesMode.FULL:
+        # NOTE: after a preemption, rows already produced are recomputed but not returned again.
+        done = seq.num_rows_sent + sum(len(r) for r in seq.pending_rows)
+        return range(max(chunk.start, done), chunk.end)
+    if seq.hidden_mode == HiddenStatesMode.LAST and chunk.completes and seq.finish_reason:
+        return range(chunk.end - 1, chunk.end)
+    return range(0)
+
+
+class Executor:
+    def __init__(self, model: Decoder, kv_cache: torch.Tensor, block_size: int):
+        self.model = model
+        self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.block_size = block_size
+        self.device = kv_cache.device
+        self.window = model.spec.sliding_window
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _attention_batch(self, chunks: list[Chunk], slot_mapping: list[int]) -> AttentionBatch:
+        dev = self.device
+        batch = AttentionBatch(slot_mapping=torch.tensor(slot_mapping, device=dev))
+        decode = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
+        row = 0
+        rows_of = []
+        for c in chunks:
+            rows_of.append(row)
+            row += c.num_tokens
+        if decode:
+            width = max(c.end for _, c in decode)
+            slots = [self._slots(c.seq.block_table, 0, c.end) for _, c in decode]
+            padded = [s + [s[0]] * (width - len(s)) for s in slots]
+            batch.decode_rows = torch.tensor([rows_of[i] for i, _ in decode], device=dev)
+            batch.decode_slots = torch.tensor(padded, device=dev)
+            q_pos = torch.tensor([c.start for _, c in decode], device=dev)
+            lens = torch.tensor([c.end for _, c in decode], device=dev)
+            keys = torch.arange(width, device=dev)
+            mask = keys[None, :] < lens[:, None]
+            if self.window is not None:
+                mask &= keys[None, :] > q_pos[:, None] - self.window
+            batch.decode_mask = mask
+        for i, c in enumerate(chunks):
+            if c.num_tokens == 1:
+                continue
+            slots = torch.tensor(self._slots(c.seq.block_table, 0, c.end), device=dev)
+            plain = c.start == 0 and (self.window is None or c.end <= self.window)
+            mask = None
+            if not plain:
+                mask = visible_keys(torch.arange(c.start, c.end, device=dev), c.end, self.window)
+            batch.spans.append(Span(rows_of[i], c.num_tokens, slots, mask))
+        return batch
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[Chunk]) -> StepOutput:
+        ids, positions, slot_mapping = [], [], []
+        logit_rows, capture_rows, row_starts, capture_slices = [], [], [], []
+        layers: list[int] = []
+        row = 0
+        for c in chunks:
+            seq = c.seq
+            ids += seq.token_ids[c.start : c.end]
+            positions += range(c.start, c.end)
+            slot_mapping += self._slots(seq.block_table, c.start, c.end)
+            if c.samples:
+                logit_rows.append(row + c.num_tokens - 1)
+            wanted = rows_to_capture(c)
+            capture_slices.append((len(capture_rows), len(wanted)))
+            row_starts.append(wanted.start)
+            capture_rows += [row + p - c.start for p in wanted]
+            if len(wanted):
+                layers += [k for k in seq.hidden_layers if k not in layers]
+            row += c.num_tokens
+        dev = self.device
+        batch = self._attention_batch(chunks, slot_mapping)
+        capture = None
+        if capture_rows:
+            capture = HiddenCapture(
+                layers,
+                torch.tensor(capture_rows, device=dev),
+                self.model.spec.hidden_size,
+                self.model.embed.dtype,
+            )
+        hidden = self.model(
+            torch.tensor(ids, device=dev),
+            torch.tensor(positions, device=dev),
+            batch,
+            self.kv_cache,
+            capture,
+        )
+        tokens: list[int | None] = [None] * len(chunks)
+        if logit_rows:
+            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=dev)])
+            sampling = [c for c in chunks if c.samples]
+            sampled = sample(
+                logits,
+                [c.seq.sampling for c in sampling],
+                [c.seq.seed for c in sampling],
+                [c.seq.num_generated for c in sampling],
+            ).tolist()
+            it = iter(sampled)
+            tokens = [next(it) if c.samples else None for c in chunks]
+        rows: list[torch.Tensor | None] = [None] * len(chunks)
+        if capture is not None:
+            captured = capture.out.float().cpu()
+            column = {k: i for i, k in enumerate(layers)}
+            for i, (c, (first, n)) in enumerate(zip(chunks, capture_slices)):
+                if n:
+                    cols = [column[k] for k in c.seq.hidden_layers]
+                    rows[i] = captured[first : first + n][:, cols].reshape(n, -1)
+        return StepOutput(tokens, rows, row_starts)

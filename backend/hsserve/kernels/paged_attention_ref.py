@@ -1,0 +1,59 @@
+"""Torch reference for attention over the paged KV cache, and the KV write.
+
+KV layout (shared with the GPU kernels): per layer a tensor [num_blocks, block_size, kv_heads,
+head_dim]; token slot s lives at block s // block_size, offset s % block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hsserve.attention_batch import AttentionBatch
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store k/v [tokens, kv_heads, head_dim] at their slots."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """q: [tokens, heads, head_dim] -> [tokens, heads, head_dim].
+
+    Single-token (decode) rows are attended together over a gathered, masked context; each
+    multi-token span (prefill chunk) attends causally to its own context.
+    """
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_flat = k_cache.view(-1, kv_heads, head_dim)
+    v_flat = v_cache.view(-1, kv_heads, head_dim)
+    out = torch.empty_like(q)
+    if batch.decode_rows is not None:
+        k = k_flat[batch.decode_slots].transpose(1, 2)  # [B, kvh, C, d]
+        v = v_flat[batch.decode_slots].transpose(1, 2)
+        qd = q[batch.decode_rows][:, :, None, :]  # [B, h, 1, d]
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=batch.decode_mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        out[batch.decode_rows] = o[:, :, 0, :]
+    for span in batch.spans:
+        end = span.row_start + span.num_rows
+        qs = q[span.row_start : end].transpose(0, 1)[None]  # [1, h, n, d]
+        k = k_flat[span.slots].transpose(0, 1)[None]  # [1, kvh, ctx, d]
+        v = v_flat[span.slots].transpose(0, 1)[None]
+        if span.mask is None:  # NOTE: whole prompt, no window: plain causal
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(
+                qs, k, v, attn_mask=span.mask[None, None], scale=scale, enable_gqa=True
+            )
+        out[span.row_start : end] = o[0].transpose(0, 1)
+    return out

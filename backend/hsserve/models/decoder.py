@@ -1,0 +1,129 @@
+"""The decoder forward: one class for the Llama family (Llama, Mistral, Qwen2 bias, Qwen3 q/k norm).
+
+Read top to bottom: embed -> layers (attention over the paged cache, MLP) -> final norm. Weights
+are plain parameters created uninitialized and filled by the loader; q/k/v and gate/up are fused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hsserve.attention_batch import AttentionBatch
+from hsserve.hidden_capture import HiddenCapture
+from hsserve.kernels.paged_attention_ref import paged_attention_ref, write_kv
+from hsserve.models.rope import apply_rotary, inverse_frequencies
+from hsserve.models.spec import ModelSpec
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = _param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_weight = _param(q_size + 2 * kv_size, spec.hidden_size)
+        self.qkv_bias = _param(q_size + 2 * kv_size) if spec.qkv_bias else None
+        self.o_weight = _param(spec.hidden_size, q_size)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.scale = spec.head_dim**-0.5
+
+    def forward(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache):
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        o = paged_attention_ref(q, k_cache, v_cache, batch, self.scale)
+        return F.linear(o.reshape(len(x), -1), self.o_weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_up_weight = _param(2 * spec.intermediate_size, spec.hidden_size)
+        self.down_weight = _param(spec.hidden_size, spec.intermediate_size)
+
+    def forward(self, x):
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.attn = Attention(spec)
+        self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, batch, k_cache, v_cache):
+        x = x + self.attn(self.input_norm(x), cos, sin, batch, k_cache, v_cache)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed = _param(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else _param(spec.vocab_size, spec.hidden_size)
+        self.register_buffer(
+            "inv_freq", inverse_frequencies(spec.head_dim, spec.rope), persistent=False
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+        capture: HiddenCapture | None = None,
+    ) -> torch.Tensor:
+        """Returns the final-norm hidden states [tokens, hidden]; kv_cache is [L, 2, ...]."""
+        x = F.embedding(input_ids, self.embed)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if capture is not None:
+            capture.take(0, x)
+        last = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch, kv_cache[i, 0], kv_cache[i, 1])
+            if capture is not None and i + 1 < last:
+                capture.take(i + 1, x)
+        x = self.norm(x)
+        if capture is not None:
+            capture.take(last, x)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,108 @@
+"""Load an HF folder (config.json + *.safetensors) into our Decoder, fusing q/k/v and gate/up."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import torch
+from safetensors import safe_open
+
+from hsserve.models.decoder import Decoder
+from hsserve.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU; on CUDA the checkpoint's half type, bfloat16 for float32 checkpoints."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if spec.torch_dtype in ("float16", "torch.float16") else torch.bfloat16
+
+
+def _hf_names(spec: ModelSpec, i: int) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensors it is made of (concatenated on dim 0)."""
+    a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+    ours = f"layers.{i}"
+    names = {
+        f"{ours}.input_norm.weight": [f"model.layers.{i}.input_layernorm.weight"],
+        f"{ours}.post_attn_norm.weight": [f"model.layers.{i}.post_attention_layernorm.weight"],
+        f"{ours}.attn.qkv_weight": [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
+        f"{ours}.attn.o_weight": [f"{a}.o_proj.weight"],
+        f"{ours}.mlp.gate_up_weight": [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
+        f"{ours}.mlp.down_weight": [f"{m}.down_proj.weight"],
+    }
+    if spec.qkv_bias:
+        names[f"{ours}.attn.qkv_bias"] = [f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"]
+    if spec.qk_norm:
+        names[f"{ours}.attn.q_norm.weight"] = [f"{a}.q_norm.weight"]
+        names[f"{ours}.attn.k_norm.weight"] = [f"{a}.k_norm.weight"]
+    return names
+
+
+def weight_map(spec: ModelSpec) -> dict[str, list[str]]:
+    names = {"embed": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    if not spec.tie_word_embeddings:
+        names["lm_head"] = ["lm_head.weight"]
+    for i in range(spec.num_layers):
+        names.update(_hf_names(spec, i))
+    return names
+
+
+def build_decoder(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Decoder:
+    """An uninitialized decoder on `device` (weights are filled by load_weights or random_weights)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # NOTE: restored below; inv_freq stays float32 explicitly
+    try:
+        with torch.device(device):
+            model = Decoder(spec)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def load_weights(model: Decoder, folder: str) -> None:
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    where: dict[str, str] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            where.update({k: path for k in f.keys()})
+    params = dict(model.named_parameters())
+    handles: dict[str, object] = {}
+    try:
+        for ours, theirs in weight_map(model.spec).items():
+            missing = [t for t in theirs if t not in where]
+            if missing:
+                raise KeyError(f"checkpoint {folder} lacks {missing}")
+            parts = []
+            for t in theirs:
+                if where[t] not in handles:
+                    handles[where[t]] = safe_open(where[t], framework="pt")
+                parts.append(handles[where[t]].get_tensor(t))
+            target = params[ours]
+            target.data.copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
+    finally:
+        handles.clear()
+
+
+def random_weights(model: Decoder, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in the model's real shapes (benchmarks: speed does not depend on values)."""
+    gen = torch.Generator(device=model.embed.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, std, generator=gen)
+
+
+def load_model(folder: str, dtype_name: str, device: torch.device) -> Decoder:
+    spec = ModelSpec.from_folder(folder)
+    model = build_decoder(spec, resolve_dtype(dtype_name, spec, device), device)
+    load_weights(model, folder)
+    return model

@@ -1,0 +1,38 @@
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3 scaling) and apply."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
+    base = float(rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", "default")
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(rope["factor"])
+    if kind == "llama3":
+        factor = float(rope["factor"])
+        low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old_len = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        # NOTE: long wavelengths are divided by `factor`, short ones kept, the band between
+        # interpolated; the same piecewise rule as the Llama-3.1 reference.
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

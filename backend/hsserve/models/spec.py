@@ -1,0 +1,101 @@
+"""ModelSpec: the shape of a decoder, read once from an HF config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    rope: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None):
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model architecture {arch!r} is not supported; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        window = cfg.get("sliding_window")
+        if family == "qwen2" or family == "qwen3":
+            window = window if cfg.get("use_sliding_window", False) else None
+        eos: list[int] = []
+        for src in (cfg, generation_cfg or {}):
+            val = src.get("eos_token_id")
+            for e in val if isinstance(val, list) else [val]:
+                if e is not None and e not in eos:
+                    eos.append(int(e))
+        return cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=window,
+            rope=rope,
+            eos_token_ids=tuple(eos),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_folder(cls, path: str) -> ModelSpec:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        gen_path = os.path.join(path, "generation_config.json")
+        gen = None
+        if os.path.exists(gen_path):
+            with open(gen_path) as f:
+                gen = json.load(f)
+        return cls.from_hf_dict(cfg, gen)
+
+    def normalize_layer(self, k: int) -> int:
+        """HF hidden_states index -> 0..L (L = final layer after the final norm)."""
+        n = self.num_layers + 1
+        if not -n <= k < n:
+            raise ValueError(f"layer {k} outside -{n}..{n - 1}")
+        return k % n
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        """Elements of K+V per token over all layers (times the element size = bytes)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim

@@ -1,0 +1,117 @@
+"""What a client asks for (GenerationRequest, SamplingParams) and what the engine answers (Delta)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; `input_name` names the offending input (SPEC.md errors)."""
+
+    def __init__(self, input_name: str, message: str):
+        super().__init__(f"{input_name}: {message}")
+        self.input_name = input_name
+
+
+class HiddenStatesMode(enum.IntEnum):
+    """Ordered so that a request mode is allowed iff mode <= server ceiling."""
+
+    NONE = 0
+    LAST = 1
+    FULL = 2
+
+    @classmethod
+    def parse(cls, value: str | HiddenStatesMode, input_name: str = "MODE") -> HiddenStatesMode:
+        if isinstance(value, HiddenStatesMode):
+            return value
+        try:
+            return cls[str(value).strip().upper()]
+        except KeyError:
+            raise RequestError(
+                input_name, f"unknown value {value!r}; allowed: 'none', 'last', 'full'"
+            ) from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # NOTE: 0 (or -1) means no top-k filter
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, max_tokens_limit: int) -> None:
+        if not 0 <= self.max_tokens <= max_tokens_limit:
+            raise RequestError(
+                "max_tokens", f"{self.max_tokens} is outside the allowed range 0..{max_tokens_limit}"
+            )
+        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
+            raise RequestError("temperature", f"{self.temperature} must be a finite number >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError("top_p", f"{self.top_p} must be in (0, 1]")
+        if self.top_k < -1:
+            raise RequestError("top_k", f"{self.top_k} must be -1, 0 (disabled) or >= 1")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise RequestError("seed", f"{self.seed} must be in 0..2**64-1")
+        if any(not s for s in self.stop):
+            raise RequestError("stop", "stop strings must be non-empty")
+        if self.n != 1:
+            raise RequestError("n", f"{self.n} is not supported yet; allowed: 1")
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to run. Exactly one of `prompt` (text) or `prompt_ids` is given."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    hidden_mode: HiddenStatesMode = HiddenStatesMode.NONE
+    hidden_layers: tuple[int, ...] = (-1,)
+
+
+@dataclass
+class Delta:
+    """What one engine step produced for one request; the last one has `finish_reason` set.
+
+    `hidden` holds the rows of this delta's tokens ([rows, hidden_size * len(layers)], float32 on
+    the CPU), None when the request asked for none. In full mode the first delta also carries
+    the prompt rows; in last mode the final delta carries the single row.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    hidden: torch.Tensor | None = None
+    finish_reason: FinishReason | None = None
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    sequence_index: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,69 @@
+"""Sampler: greedy, temperature, top-k, top-p with per-request seeds.
+
+Noise is a counter-based hash of (seed, output index, token id), so a request's samples depend
+only on its own seed and position, never on what else is in the batch, and are the same on any
+device (integer arithmetic). Sampling is the Gumbel-max trick: argmax(logits / T + Gumbel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hsserve.request import SamplingParams
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 constants as signed int64
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def as_int64(seed: int) -> int:
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] uniforms in (0, 1) from int64 seeds [B] and output indices [B]."""
+    key = _mix(_mix(seeds * _GOLDEN + steps) + 1)
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = _mix(key[:, None] + ids[None, :] * _GOLDEN)
+    return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]
+) -> torch.Tensor:
+    """logits [B, vocab] float32 -> token ids [B] (int64, on logits' device)."""
+    out = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    dev = logits.device
+    idx = torch.tensor(rows, device=dev)
+    x = logits[idx] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
+    top_k = [params[i].top_k for i in rows]
+    if any(k > 0 for k in top_k):
+        k = torch.tensor([k if k > 0 else x.shape[1] for k in top_k], device=dev)
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    top_p = [params[i].top_p for i in rows]
+    if any(p < 1.0 for p in top_p):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
+        drop = before > torch.tensor(top_p, device=dev)[:, None]
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    seed_t = torch.tensor([as_int64(seeds[i]) for i in rows], device=dev, dtype=torch.int64)
+    step_t = torch.tensor([steps[i] for i in rows], device=dev, dtype=torch.int64)
+    gumbel = -torch.log(-torch.log(uniform_noise(seed_t, step_t, x.shape[1])))
+    out[idx] = (x + gumbel).argmax(dim=-1)
+    return out

@@ -1,0 +1,76 @@
+"""Sequence: the engine's running state of one request (plain object; no tensors but hidden rows)."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+import torch
+
+from hsserve.detokenizer import IncrementalDetokenizer, StopMatcher
+from hsserve.request import FinishReason, HiddenStatesMode, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        seed: int,
+        hidden_mode: HiddenStatesMode,
+        hidden_layers: tuple[int, ...],
+        detokenizer: IncrementalDetokenizer,
+        sink,
+        arrival: int,
+    ):
+        self.request_id = request_id
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.sampling = sampling
+        self.seed = seed
+        self.hidden_mode = hidden_mode
+        self.hidden_layers = hidden_layers  # normalized 0..L, in the order requested
+        self.detokenizer = detokenizer
+        self.stop = StopMatcher(sampling.stop)
+        self.sink = sink
+        self.arrival = arrival
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed = 0  # tokens whose K/V is in the cache
+        # NOTE: finish_reason set while status is RUNNING means "decided, but the last token's
+        # hidden row is still to be computed" (one more forward without sampling).
+        self.finish_reason: FinishReason | None = None
+        self.num_tokens_sent = 0  # generated tokens already published
+        self.num_rows_sent = 0  # full mode: hidden rows already published (prompt rows first)
+        self.pending_rows: list[torch.Tensor] = []  # full mode: computed, not yet published
+        self.last_row: torch.Tensor | None = None  # last mode: the one row, O(hidden)
+        # NOTE: text length (in self.stop.text) after each generated token not yet published,
+        # so a delta's text is the text of the delta's own tokens.
+        self.text_marks: deque[int] = deque()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def wants_rows(self) -> bool:
+        return self.hidden_mode != HiddenStatesMode.NONE
