@@ -31,6 +31,13 @@ class IncrementalDetokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before) :]
 
+    def flush(self) -> str:
+        """At the end: whatever is left, a trailing incomplete character (as U+FFFD) included."""
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before) :]
+
 
 class StopMatcher:
     """Finds stop strings in generated text and holds back a tail that may still become one."""
@@ -39,6 +46,7 @@ class StopMatcher:
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""  # all generated text, stop string excluded once found
+        self.hit = False
         self.released = 0  # characters of `text` already handed out
 
     def feed(self, delta: str) -> bool:
@@ -48,6 +56,7 @@ class StopMatcher:
         hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]
+            self.hit = True
             return True
         return False
 

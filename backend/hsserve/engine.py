@@ -45,8 +45,11 @@ class Engine:
         self._arrivals = 0
         self._rng = random.Random()
         self.num_steps = 0
+        self.num_mixed_steps = 0  # steps that ran prefill and decode together
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="hsserve-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"hsserve-engine-{id(self):x}", daemon=True
+        )
         self._started = False
         self._stopped = False
 
@@ -88,6 +91,10 @@ class Engine:
         if self._started:
             self._inbox.put(_STOP)
             self._thread.join(timeout)
+
+    @property
+    def thread_name(self) -> str:
+        return self._thread.name
 
     @property
     def num_running(self) -> int:
@@ -217,6 +224,8 @@ class Engine:
             return
         out = self.executor.execute(chunks)
         self.num_steps += 1
+        decodes = sum(c.num_tokens == 1 for c in chunks)
+        self.num_mixed_steps += 0 < decodes < len(chunks)
         self._postprocess(chunks, out)
 
     def _postprocess(self, chunks: list[Chunk], out: StepOutput) -> None:
@@ -262,6 +271,8 @@ class Engine:
         if new <= 0 and not final:
             return
         tokens = seq.output_ids[seq.num_tokens_sent : ready]
+        if final and seq.detokenizer is not None and not seq.stop.hit:
+            seq.stop.text += seq.detokenizer.flush()
         upto = 0
         for _ in range(max(new, 0)):
             upto = seq.text_marks.popleft()

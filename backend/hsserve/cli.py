@@ -1,0 +1,63 @@
+"""Command line: `hsserve prepare` (convert the default model), `hsserve generate` (one prompt)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _prepare(args) -> int:
+    from hsserve.models.default_model import ensure_default_model
+
+    print(ensure_default_model(args.cache_dir))
+    return 0
+
+
+def _generate(args) -> int:
+    from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams
+
+    engine = Engine(EngineConfig(model=args.model, device=args.device)).start()
+    try:
+        req = GenerationRequest(
+            "cli",
+            prompt=args.prompt,
+            sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature),
+            hidden_mode=HiddenStatesMode.parse(args.mode),
+            hidden_layers=tuple(args.layers),
+        )
+        for delta in engine.submit(req):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            if delta.finished:
+                res = {"finish_reason": delta.finish_reason.value,
+                       "num_output_tokens": delta.num_output_tokens}
+                print("\n" + json.dumps(res))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="hsserve")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="convert the default model once; print its folder")
+    p.add_argument("--cache-dir", default="")
+    p.set_defaults(fn=_prepare)
+    g = sub.add_parser("generate", help="run one prompt through the engine, streaming text")
+    g.add_argument("prompt")
+    g.add_argument("--model", default="default")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--mode", default="none")
+    g.add_argument("--layers", type=int, nargs="+", default=[-1])
+    g.set_defaults(fn=_generate)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

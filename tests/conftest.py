@@ -1,0 +1,95 @@
+"""Shared fixtures: the default model folder, tiny random HF models, engines, transformers oracles."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from hsserve import Engine, EngineConfig
+from hsserve.models.default_model import ensure_default_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> str:
+    return ensure_default_model(os.environ.get("HSSERVE_CACHE_DIR", ""))
+
+
+def tiny_config(family: str):
+    """A small random config of each family, using SmolLM2's vocabulary so text works."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=2,
+    )
+    if family == "llama":
+        # Llama-3 style RoPE scaling, untied head
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=64)
+        return LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False)
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm_dir):
+    """family -> folder with random weights (seeded) saved as safetensors + tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, str] = {}
+
+    def make(family: str) -> str:
+        if family not in made:
+            torch.manual_seed(1234)
+            model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+            folder = str(tmp_path_factory.mktemp(f"tiny-{family}"))
+            model.save_pretrained(folder)
+            for f in TOKENIZER_FILES:
+                if os.path.exists(os.path.join(smollm_dir, f)):
+                    shutil.copy(os.path.join(smollm_dir, f), folder)
+            made[family] = folder
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm_engine(smollm_dir):
+    engine = Engine(EngineConfig(model=smollm_dir, device="cpu", max_num_seqs=32)).start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """folder -> transformers model (float32, eager attention), cached."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, object] = {}
+
+    def load(folder: str):
+        if folder not in cache:
+            cache[folder] = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+        return cache[folder]
+
+    return load

@@ -1,0 +1,88 @@
+"""Sampler noise, incremental detokenizer, stop matcher and config parsing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsserve.config import ConfigError, EngineConfig
+from hsserve.detokenizer import IncrementalDetokenizer, StopMatcher
+from hsserve.request import HiddenStatesMode, SamplingParams
+from hsserve.sampler import sample, uniform_noise
+
+
+def test_noise_depends_only_on_seed_and_step():
+    a = uniform_noise(torch.tensor([1, 2, 1]), torch.tensor([0, 0, 5]), 1000)
+    b = uniform_noise(torch.tensor([1]), torch.tensor([0]), 1000)
+    assert torch.equal(a[0], b[0])
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+    assert 0.0 < float(a.min()) and float(a.max()) < 1.0
+    assert abs(float(a.mean()) - 0.5) < 0.02
+
+
+def test_sampling_distribution_follows_softmax():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    counts = torch.zeros(3)
+    p = SamplingParams(temperature=1.0)
+    for step in range(3000):
+        counts[sample(logits.clone(), [p], [11], [step])[0]] += 1
+    assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_top_k_and_top_p_filter():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
+    steps = list(range(400))
+    k2 = sample(logits, [SamplingParams(temperature=1.0, top_k=2)] * 400, [1] * 400, steps)
+    assert set(k2.tolist()) == {0, 1}
+    p07 = sample(logits, [SamplingParams(temperature=1.0, top_p=0.7)] * 400, [1] * 400, steps)
+    assert set(p07.tolist()) == {0, 1}  # 0.5 < 0.7, then 0.8 >= 0.7: the third is dropped
+    greedy = sample(logits, [SamplingParams(temperature=0.0)] * 400, [1] * 400, steps)
+    assert set(greedy.tolist()) == {0}
+
+
+class ByteTokenizer:
+    """Each id is one UTF-8 byte (ids >= 256 are special and skipped)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_never_splits_a_character():
+    text = "añ€😀!"
+    data = list(text.encode())
+    d = IncrementalDetokenizer(ByteTokenizer(), [ord("x")])
+    pieces = [d.add(b) for b in data]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces[data.index(0xF0) : data.index(0xF0) + 3] == ["", "", ""]
+
+
+def test_detokenizer_flush_returns_incomplete_tail():
+    d = IncrementalDetokenizer(ByteTokenizer(), [])
+    assert d.add(0xE2) == "" and d.add(0x82) == ""
+    assert d.flush() == "\ufffd"
+
+
+def test_stop_matcher_holds_back_possible_prefix():
+    m = StopMatcher(("STOP",))
+    assert not m.feed("abc ST")
+    assert m.release(len(m.text), final=False) == "abc"  # "ST" might start "STOP"
+    assert m.feed("OP more")
+    assert m.release(len(m.text), final=True) == " "
+    assert m.text == "abc "
+
+
+def test_config_from_parameters():
+    cfg = EngineConfig.from_parameters({
+        "dtype": "bfloat16", "hidden_states_ceiling": "last", "hidden_layers_captured": "0, 5,-1",
+        "max_num_seqs": "8", "enable_prefix_caching": "false", "kv_cache_memory_fraction": "0.5",
+    })
+    assert cfg.dtype == "bfloat16" and cfg.hidden_states_ceiling == HiddenStatesMode.LAST
+    assert cfg.hidden_layers_captured == (0, 5, -1) and cfg.max_num_seqs == 8
+    assert cfg.enable_prefix_caching is False and cfg.kv_cache_memory_fraction == 0.5
+    assert EngineConfig.from_parameters({"hidden_layers_captured": "all"}).hidden_layers_captured is None
+    for bad, word in [({"dtype": "int8"}, "dtype"), ({"max_num_seqs": "x"}, "max_num_seqs"),
+                      ({"nope": "1"}, "unknown parameter"), ({"enable_cuda_graph": "maybe"}, "enable_cuda_graph"),
+                      ({"hidden_states_ceiling": "most"}, "hidden_states_ceiling")]:
+        with pytest.raises((ConfigError, ValueError), match=word):
+            EngineConfig.from_parameters(bad)
