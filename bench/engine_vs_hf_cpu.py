@@ -4,14 +4,19 @@ Default: SmolLM2-135M float32 on the CPU, batch 1 / 8 / 32, 64-token prompts, 64
 (EOS ignored so every request makes exactly 64). Throughput = batch * new tokens / wall time
 from submit to the last token (prefill included), median of --repeats.
 
+transformers runs in a child process: two threads that both run torch's OpenMP regions in one
+process slow each other down on a 2-core machine, which would skew either side.
+
     python bench/engine_vs_hf_cpu.py [--batches 1 8 32] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -51,6 +56,40 @@ def hf_run(model, batch: list[list[int]], new: int) -> float:
     return len(batch) * new / dt
 
 
+def hf_part(args) -> None:
+    """Child process: transformers tok/s per batch, printed as one json line."""
+    from transformers import AutoModelForCausalLM
+
+    folder = model_folder(EngineConfig(model=args.model))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    hf_run(hf, prompts(2, args.prompt_len, vocab), 8)
+    out = {}
+    for b in args.batches:
+        batch = prompts(b, args.prompt_len, vocab)
+        out[b] = statistics.median(hf_run(hf, batch, args.new) for _ in range(args.repeats))
+    print("HF_RESULT " + json.dumps(out), flush=True)
+
+
+def engine_part(args) -> tuple[dict[int, float], Engine]:
+    config = EngineConfig(model=args.model, device="cpu", dtype="float32",
+                          max_num_seqs=max(args.batches))
+    engine = Engine(config).start()
+    vocab = engine.spec.vocab_size
+    try:
+        engine_run(engine, prompts(2, args.prompt_len, vocab), 8, "warm")
+        out = {}
+        for b in args.batches:
+            batch = prompts(b, args.prompt_len, vocab)
+            out[b] = statistics.median(
+                engine_run(engine, batch, args.new, f"b{b}r{r}-") for r in range(args.repeats)
+            )
+            print(f"engine batch {b}: {out[b]:.1f} tok/s", flush=True)
+    finally:
+        engine.shutdown()
+    return out, engine
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
@@ -58,37 +97,33 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_engine.json"))
     args = ap.parse_args()
-
-    from transformers import AutoModelForCausalLM
-
-    config = EngineConfig(model=args.model, device="cpu", dtype="float32", max_num_seqs=max(args.batches))
-    engine = Engine(config).start()
-    folder = model_folder(config)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    spec = engine.spec
+    if args.hf_only:
+        hf_part(args)
+        return
+    ours, engine = engine_part(args)
+    child = subprocess.run(
+        [sys.executable, __file__, "--hf-only", "--model", args.model, "--batches",
+         *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new", str(args.new),
+         "--repeats", str(args.repeats)],
+        check=True, capture_output=True, text=True,
+    )
+    line = [x for x in child.stdout.splitlines() if x.startswith("HF_RESULT ")][-1]
+    theirs = {int(k): v for k, v in json.loads(line.split(" ", 1)[1]).items()}
     rows = []
-    try:
-        engine_run(engine, prompts(2, args.prompt_len, spec.vocab_size), 8, "warm")
-        hf_run(hf, prompts(2, args.prompt_len, spec.vocab_size), 8)
-        for b in args.batches:
-            batch = prompts(b, args.prompt_len, spec.vocab_size)
-            ours = [engine_run(engine, batch, args.new, f"b{b}r{r}-") for r in range(args.repeats)]
-            theirs = [hf_run(hf, batch, args.new) for _ in range(args.repeats)]
-            row = {
-                "batch": b,
-                "engine_tok_s": round(statistics.median(ours), 1),
-                "transformers_tok_s": round(statistics.median(theirs), 1),
-            }
-            row["speedup"] = round(row["engine_tok_s"] / row["transformers_tok_s"], 2)
-            rows.append(row)
-            print(row, flush=True)
-    finally:
-        engine.shutdown()
+    for b in args.batches:
+        rows.append({
+            "batch": b,
+            "engine_tok_s": round(ours[b], 1),
+            "transformers_tok_s": round(theirs[b], 1),
+            "speedup": round(ours[b] / theirs[b], 2),
+        })
+    spec = engine.spec
     write_result(args.out, {
         "benchmark": "engine_vs_transformers_generate",
-        "model": folder,
+        "model": "SmolLM2-135M-Instruct" if args.model == "default" else args.model,
         "model_shape": {"layers": spec.num_layers, "hidden": spec.hidden_size,
                         "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "vocab": spec.vocab_size},
         "dtype": "float32",

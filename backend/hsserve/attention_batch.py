@@ -26,9 +26,15 @@ class Span:
 class AttentionBatch:
     slot_mapping: torch.Tensor  # [tokens] where each new token's K/V is written
     decode_rows: torch.Tensor | None = None  # [B] rows of single-token sequences
-    decode_slots: torch.Tensor | None = None  # [B, C] context slots, padded with a valid slot
-    decode_mask: torch.Tensor | None = None  # [B, C] True where the key is visible
+    # NOTE: padded with block 0; the mask hides every key past a sequence's length.
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [B, max_blocks * block_size] True where visible
     spans: list[Span] = field(default_factory=list)
+
+    @property
+    def all_decode(self) -> bool:
+        """Every row is a single-token sequence, in batch order (decode rows = 0..B-1)."""
+        return not self.spans and self.decode_rows is not None
 
 
 def visible_keys(

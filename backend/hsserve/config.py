@@ -33,7 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.9  # GPU: of free memory; CPU: of available RAM, see kv_cache_max_bytes
-    kv_cache_max_bytes: int = 4 << 30  # CPU ceiling for the pool
+    kv_cache_max_bytes: int = 2 << 30  # CPU ceiling for the pool
     num_kv_blocks: int = 0  # >0 overrides the memory-derived size (tests, small pools)
     enable_prefix_caching: bool = True
     enable_cuda_graph: bool = True

@@ -30,14 +30,12 @@ _STOP = object()
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, parts: EngineParts | None = None):
+    def __init__(
+        self, config: EngineConfig, build: Callable[[EngineConfig], EngineParts] = build_engine_parts
+    ):
+        """Nothing is loaded until start(); `build` makes the model, pool and scheduler."""
         self.config = config
-        p = parts or build_engine_parts(config)
-        self.spec, self.model, self.tokenizer = p.spec, p.model, p.tokenizer
-        self.pool, self.scheduler, self.executor = p.pool, p.scheduler, p.executor
-        self.max_model_len, self.max_prompt_tokens = p.max_model_len, p.max_prompt_tokens
-        self.captured_layers = p.captured_layers
-        self.eos_ids = frozenset(self.spec.eos_token_ids)
+        self._build = build
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}  # NOTE: loop thread only
         self._ids_lock = threading.Lock()
@@ -47,18 +45,31 @@ class Engine:
         self.num_steps = 0
         self.num_mixed_steps = 0  # steps that ran prefill and decode together
         self.error: BaseException | None = None
+        self._ready = threading.Event()
         self._thread = threading.Thread(
-            target=self._loop, name=f"hsserve-engine-{id(self):x}", daemon=True
+            target=self._run, name=f"hsserve-engine-{id(self):x}", daemon=True
         )
         self._started = False
         self._stopped = False
 
+    def _install(self, p: EngineParts) -> None:
+        self.spec, self.model, self.tokenizer = p.spec, p.model, p.tokenizer
+        self.pool, self.scheduler, self.executor = p.pool, p.scheduler, p.executor
+        self.max_model_len, self.max_prompt_tokens = p.max_model_len, p.max_prompt_tokens
+        self.captured_layers = p.captured_layers
+        self.eos_ids = frozenset(self.spec.eos_token_ids)
+
     # ---- client side (any thread) -------------------------------------------------------------
 
     def start(self) -> Engine:
+        """Load the model on the loop thread and start serving; re-raises a load error here."""
         if not self._started:
             self._started = True
             self._thread.start()
+            self._ready.wait()
+            if self.error is not None:
+                self._stopped = True
+                raise self.error
         return self
 
     def submit(self, request: GenerationRequest, sink: Sink | None = None) -> Sink:
@@ -168,8 +179,21 @@ class Engine:
 
     # ---- loop thread --------------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
+        # NOTE: the model is built on this thread, the only one that runs torch compute: on the
+        # CPU a second thread's OpenMP team (one that loaded the weights) measurably slowed
+        # every step of this one (~30% at batch 1).
         torch.set_grad_enabled(False)
+        try:
+            self._install(self._build(self.config))
+        except BaseException as e:  # noqa: BLE001 - handed to start()
+            self.error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop()
+
+    def _loop(self) -> None:
         try:
             while True:
                 if not self._drain(block=not self.scheduler.has_work()):

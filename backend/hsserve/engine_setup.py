@@ -94,7 +94,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if blocks * bs < max_model_len:
         log.warning("KV pool holds %d tokens: max_model_len lowered from %d", blocks * bs, max_model_len)
         max_model_len = blocks * bs
-    kv_cache = torch.empty(
+    # NOTE: zeroed so that masked-out keys of padding blocks are finite (0 x NaN would be NaN);
+    # afterwards blocks only ever hold finite K/V.
+    kv_cache = torch.zeros(
         spec.num_layers, 2, blocks, bs, spec.num_kv_heads, spec.head_dim,
         dtype=model.embed.dtype, device=device,
     )

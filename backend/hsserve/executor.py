@@ -59,11 +59,14 @@ class Executor:
             rows_of.append(row)
             row += c.num_tokens
         if decode:
-            width = max(c.end for _, c in decode)
-            slots = [self._slots(c.seq.block_table, 0, c.end) for _, c in decode]
-            padded = [s + [s[0]] * (width - len(s)) for s in slots]
+            bs = self.block_size
+            num_blocks = max(-(-c.end // bs) for _, c in decode)
+            tables = [c.seq.block_table[:num_blocks] for _, c in decode]
             batch.decode_rows = torch.tensor([rows_of[i] for i, _ in decode], device=dev)
-            batch.decode_slots = torch.tensor(padded, device=dev)
+            batch.decode_block_tables = torch.tensor(
+                [t + [0] * (num_blocks - len(t)) for t in tables], device=dev
+            )
+            width = num_blocks * bs
             q_pos = torch.tensor([c.start for _, c in decode], device=dev)
             lens = torch.tensor([c.end for _, c in decode], device=dev)
             keys = torch.arange(width, device=dev)

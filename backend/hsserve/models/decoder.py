@@ -13,6 +13,7 @@ from torch import nn
 from hsserve.attention_batch import AttentionBatch
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels.paged_attention_ref import paged_attention_ref, write_kv
+from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
 from hsserve.models.spec import ModelSpec
 
@@ -28,6 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # NOTE: one fused kernel; same formula as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -42,36 +45,35 @@ class Attention(nn.Module):
             spec.head_dim,
         )
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        self.qkv_weight = _param(q_size + 2 * kv_size, spec.hidden_size)
-        self.qkv_bias = _param(q_size + 2 * kv_size) if spec.qkv_bias else None
-        self.o_weight = _param(spec.hidden_size, q_size)
+        self.qkv = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_size, spec.hidden_size)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
 
     def forward(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache):
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv(x).view(len(x), -1, self.head_dim)
+        h, kvh = self.num_heads, self.num_kv_heads
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # NOTE: q and k rotated in one pass
+            q, k = apply_rotary(qkv[:, : h + kvh], cos, sin).split((h, kvh), dim=1)
+        v = qkv[:, h + kvh :]
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         o = paged_attention_ref(q, k_cache, v_cache, batch, self.scale)
-        return F.linear(o.reshape(len(x), -1), self.o_weight)
+        return self.o_proj(o.reshape(len(x), -1))
 
 
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.gate_up_weight = _param(2 * spec.intermediate_size, spec.hidden_size)
-        self.down_weight = _param(spec.hidden_size, spec.intermediate_size)
+        self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size)
+        self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -94,7 +96,9 @@ class Decoder(nn.Module):
         self.embed = _param(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else _param(spec.vocab_size, spec.hidden_size)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed  # NOTE: one tensor, loaded once
         self.register_buffer(
             "inv_freq", inverse_frequencies(spec.head_dim, spec.rope), persistent=False
         )
@@ -125,5 +129,4 @@ class Decoder(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()

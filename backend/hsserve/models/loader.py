@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from hsserve.models.decoder import Decoder
+from hsserve.models.linear import pack_for_cpu
 from hsserve.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -31,13 +32,13 @@ def _hf_names(spec: ModelSpec, i: int) -> dict[str, list[str]]:
     names = {
         f"{ours}.input_norm.weight": [f"model.layers.{i}.input_layernorm.weight"],
         f"{ours}.post_attn_norm.weight": [f"model.layers.{i}.post_attention_layernorm.weight"],
-        f"{ours}.attn.qkv_weight": [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
-        f"{ours}.attn.o_weight": [f"{a}.o_proj.weight"],
-        f"{ours}.mlp.gate_up_weight": [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
-        f"{ours}.mlp.down_weight": [f"{m}.down_proj.weight"],
+        f"{ours}.attn.qkv.weight": [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
+        f"{ours}.attn.o_proj.weight": [f"{a}.o_proj.weight"],
+        f"{ours}.mlp.gate_up.weight": [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
+        f"{ours}.mlp.down.weight": [f"{m}.down_proj.weight"],
     }
     if spec.qkv_bias:
-        names[f"{ours}.attn.qkv_bias"] = [f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"]
+        names[f"{ours}.attn.qkv.bias"] = [f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"]
     if spec.qk_norm:
         names[f"{ours}.attn.q_norm.weight"] = [f"{a}.q_norm.weight"]
         names[f"{ours}.attn.k_norm.weight"] = [f"{a}.k_norm.weight"]
@@ -47,7 +48,7 @@ def _hf_names(spec: ModelSpec, i: int) -> dict[str, list[str]]:
 def weight_map(spec: ModelSpec) -> dict[str, list[str]]:
     names = {"embed": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     if not spec.tie_word_embeddings:
-        names["lm_head"] = ["lm_head.weight"]
+        names["lm_head.weight"] = ["lm_head.weight"]
     for i in range(spec.num_layers):
         names.update(_hf_names(spec, i))
     return names
@@ -105,4 +106,6 @@ def load_model(folder: str, dtype_name: str, device: torch.device) -> Decoder:
     spec = ModelSpec.from_folder(folder)
     model = build_decoder(spec, resolve_dtype(dtype_name, spec, device), device)
     load_weights(model, folder)
+    if pack_for_cpu(model):
+        log.info("CPU linears packed for oneDNN")
     return model
