@@ -12,14 +12,19 @@ import torch
 
 @dataclass
 class Span:
-    """A multi-token chunk of one sequence: rows [row_start, row_start + num_rows) of the batch,
-    attending to `slots` (the sequence's first ctx_len tokens). `mask` [num_rows, ctx_len] is
-    None when plain causal attention over the whole context is exact."""
+    """Multi-token chunks of `num_seqs` sequences with equal shapes, in consecutive rows
+    [row_start, row_start + num_seqs * num_rows); sequence i attends to slots[i] (its first
+    ctx_len tokens). `mask` [num_rows, ctx_len] is None when plain causal attention over the
+    whole context is exact (only such fresh prompts are grouped: num_seqs > 1)."""
 
     row_start: int
     num_rows: int
-    slots: torch.Tensor
+    slots: torch.Tensor  # [num_seqs, ctx_len]
     mask: torch.Tensor | None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.slots.shape[0]
 
 
 @dataclass

@@ -74,15 +74,26 @@ class Executor:
             if self.window is not None:
                 mask &= keys[None, :] > q_pos[:, None] - self.window
             batch.decode_mask = mask
+        groups: list[tuple[int, int, list[list[int]], torch.Tensor | None]] = []
         for i, c in enumerate(chunks):
             if c.num_tokens == 1:
                 continue
-            slots = torch.tensor(self._slots(c.seq.block_table, 0, c.end), device=dev)
+            slots = self._slots(c.seq.block_table, 0, c.end)
             plain = c.start == 0 and (self.window is None or c.end <= self.window)
+            if plain and groups:
+                start, n, members, mask = groups[-1]
+                # NOTE: equal fresh prompts in consecutive rows share one attention call
+                if mask is None and n == c.num_tokens and start + n * len(members) == rows_of[i]:
+                    members.append(slots)
+                    continue
             mask = None
             if not plain:
                 mask = visible_keys(torch.arange(c.start, c.end, device=dev), c.end, self.window)
-            batch.spans.append(Span(rows_of[i], c.num_tokens, slots, mask))
+            groups.append((rows_of[i], c.num_tokens, [slots], mask))
+        batch.spans = [
+            Span(start, n, torch.tensor(members, device=dev), mask)
+            for start, n, members, mask in groups
+        ]
         return batch
 
     @torch.inference_mode()

@@ -43,23 +43,27 @@ def paged_attention_ref(
         k = k_cache.index_select(0, tables).view(n, -1, kv_heads, head_dim).transpose(1, 2)
         v = v_cache.index_select(0, tables).view(n, -1, kv_heads, head_dim).transpose(1, 2)
         qd = q if batch.all_decode else q.index_select(0, batch.decode_rows)
+        # NOTE: one query per sequence, so the heads sharing a KV head are folded into the
+        # query axis ([B, kvh, group, d]): plain attention, no GQA expansion (faster on CPU)
         o = F.scaled_dot_product_attention(
-            qd[:, :, None, :], k, v, attn_mask=batch.decode_mask[:, None, None, :], scale=scale,
-            enable_gqa=True,
-        )[:, :, 0, :]
+            qd.view(n, kv_heads, -1, head_dim), k, v,
+            attn_mask=batch.decode_mask[:, None, None, :], scale=scale,
+        ).reshape(n, -1, head_dim)
         if batch.all_decode:
             return o
         out[batch.decode_rows] = o
     for span in batch.spans:
-        end = span.row_start + span.num_rows
-        qs = q[span.row_start : end].transpose(0, 1)[None]  # [1, h, n, d]
-        k = k_flat.index_select(0, span.slots).transpose(0, 1)[None]  # [1, kvh, ctx, d]
-        v = v_flat.index_select(0, span.slots).transpose(0, 1)[None]
-        if span.mask is None:  # NOTE: whole prompt, no window: plain causal
+        g, n = span.num_seqs, span.num_rows
+        end = span.row_start + g * n
+        qs = q[span.row_start : end].view(g, n, -1, head_dim).transpose(1, 2)  # [g, h, n, d]
+        slots = span.slots.view(-1)
+        k = k_flat.index_select(0, slots).view(g, -1, kv_heads, head_dim).transpose(1, 2)
+        v = v_flat.index_select(0, slots).view(g, -1, kv_heads, head_dim).transpose(1, 2)
+        if span.mask is None:  # NOTE: whole prompts, no window: plain causal
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(
                 qs, k, v, attn_mask=span.mask[None, None], scale=scale, enable_gqa=True
             )
-        out[span.row_start : end] = o[0].transpose(0, 1)
+        out[span.row_start : end] = o.transpose(1, 2).reshape(g * n, -1, head_dim)
     return out
