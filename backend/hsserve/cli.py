@@ -39,6 +39,30 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import signal
+
+    from hsserve.server import Ports, start_server
+
+    ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
+    server = start_server(args.model_repository, ports, extra_args=args.triton_arg)
+    print(f"tritonserver starting (pid {server.process.pid}) on {args.model_repository}", flush=True)
+    try:
+        server.wait_ready(timeout=args.ready_timeout, models=tuple(args.wait_for))
+        print(
+            f"ready: HTTP http://127.0.0.1:{ports.http}  gRPC 127.0.0.1:{ports.grpc}  "
+            f"metrics http://127.0.0.1:{ports.metrics}/metrics  (Ctrl-C stops)",
+            flush=True,
+        )
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+        return server.process.wait()
+    except KeyboardInterrupt:
+        print("stopping tritonserver", flush=True)
+        return 0
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="hsserve")
@@ -55,6 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--mode", default="none")
     g.add_argument("--layers", type=int, nargs="+", default=[-1])
     g.set_defaults(fn=_generate)
+    s = sub.add_parser("serve", help="start tritonserver on the model repository")
+    s.add_argument("--model-repository", default="model_repository")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--ready-timeout", type=float, default=600)
+    s.add_argument("--wait-for", nargs="+", default=["llm", "llm_sync"])
+    s.add_argument("--triton-arg", action="append", default=[],
+                   help="extra tritonserver flag, e.g. --triton-arg=--log-verbose=1")
+    s.set_defaults(fn=_serve)
     args = parser.parse_args(argv)
     return args.fn(args)
 

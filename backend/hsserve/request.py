@@ -115,3 +115,22 @@ class Delta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def merge(cls, deltas: list[Delta]) -> Delta:
+        """Consecutive deltas of one request as one (their tokens, text and rows joined)."""
+        if len(deltas) == 1:
+            return deltas[0]
+        rows = [d.hidden for d in deltas if d.hidden is not None]
+        last = deltas[-1]
+        return cls(
+            request_id=last.request_id,
+            token_ids=[t for d in deltas for t in d.token_ids],
+            text="".join(d.text for d in deltas),
+            hidden=torch.cat(rows) if rows else None,
+            finish_reason=last.finish_reason,
+            num_input_tokens=last.num_input_tokens,
+            num_output_tokens=last.num_output_tokens,
+            error=last.error,
+            sequence_index=last.sequence_index,
+        )

@@ -44,16 +44,15 @@ class RequestStream:
         deltas = []
         while not deltas or not deltas[-1].finished:
             deltas.append(self._queue.get(timeout=timeout))
-        rows = [d.hidden for d in deltas if d.hidden is not None]
-        last = deltas[-1]
+        d = Delta.merge(deltas)
         return Result(
             request_id=self.request_id,
-            token_ids=[t for d in deltas for t in d.token_ids],
-            text="".join(d.text for d in deltas),
-            hidden=torch.cat(rows) if rows else None,
-            finish_reason=last.finish_reason,
-            num_input_tokens=last.num_input_tokens,
-            num_output_tokens=last.num_output_tokens,
-            error=last.error,
+            token_ids=d.token_ids,
+            text=d.text,
+            hidden=d.hidden,
+            finish_reason=d.finish_reason,
+            num_input_tokens=d.num_input_tokens,
+            num_output_tokens=d.num_output_tokens,
+            error=d.error,
             num_deltas=len(deltas),
         )

@@ -1,0 +1,171 @@
+"""Find and start a real tritonserver on a model repository.
+
+A system `tritonserver` (the NGC image) is used when present; otherwise the binary shipped in the
+`nvidia-pytriton` wheel, with its Python backend and the stub for the running interpreter copied
+into a backend directory, and the library path set so the stub loads this interpreter's libpython.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerCommand:
+    argv: list[str]
+    env: dict[str, str]
+    backend_dir: str | None = None  # a temp dir we made (removed on stop)
+
+
+@dataclass
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+
+def free_ports(n: int = 3) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _pytriton_root() -> str | None:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], "tritonserver")
+
+
+def _python_backend_dir(root: str) -> str:
+    """backends/python from the wheel plus the stub for this Python, in a fresh temp dir."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = os.path.join(root, "python_backend_stubs", version, "triton_python_backend_stub")
+    if not os.path.exists(stub):
+        raise FileNotFoundError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+    out = tempfile.mkdtemp(prefix="hsserve-backends-")
+    python_dir = os.path.join(out, "python")
+    shutil.copytree(os.path.join(root, "backends", "python"), python_dir)
+    shutil.copy(stub, python_dir)
+    return out
+
+
+def server_command(
+    model_repository: str,
+    ports: Ports,
+    extra_args: list[str] | None = None,
+    exit_timeout_s: int = 30,
+) -> ServerCommand:
+    env = dict(os.environ)
+    # NOTE: the stub runs `python` from PATH to find its site-packages: this interpreter first
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    args = [
+        f"--model-repository={os.path.abspath(model_repository)}",
+        f"--http-port={ports.http}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-port={ports.metrics}",
+        f"--exit-timeout-secs={exit_timeout_s}",
+        "--log-info=true",
+        *(extra_args or []),
+    ]
+    system = shutil.which("tritonserver")
+    if system:
+        return ServerCommand([system, *args], env)
+    root = _pytriton_root()
+    if root is None:
+        raise FileNotFoundError(
+            "no tritonserver found: install nvidia-pytriton==0.7.0 or run inside the NGC image"
+        )
+    backend_dir = _python_backend_dir(root)
+    libs = os.path.join(os.path.dirname(root), "..", "nvidia_pytriton.libs")
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (libdir, os.path.abspath(libs), env.get("LD_LIBRARY_PATH", "")) if p
+    )
+    binary = os.path.join(root, "bin", "tritonserver")
+    return ServerCommand([binary, *args, f"--backend-directory={backend_dir}"], env, backend_dir)
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    ports: Ports
+    command: ServerCommand
+    log_path: str | None = None
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    def wait_ready(self, timeout: float = 300.0, models: tuple[str, ...] = ("llm",)) -> None:
+        import tritonclient.http as http
+
+        client = http.InferenceServerClient(self.http_url)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.process.returncode}{self._tail()}")
+            try:
+                if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
+                    return
+            except Exception:  # noqa: BLE001 - not listening yet
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout}s{self._tail()}")
+
+    def _tail(self) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            return "\n--- server log tail ---\n" + "".join(f.readlines()[-40:])
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (Triton's graceful shutdown), then SIGKILL after `timeout`."""
+        if self._closed:
+            return self.process.returncode
+        self._closed = True
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.command.backend_dir:
+            shutil.rmtree(self.command.backend_dir, ignore_errors=True)
+        return self.process.returncode
+
+
+def start_server(
+    model_repository: str,
+    ports: Ports | None = None,
+    log_path: str | None = None,
+    extra_args: list[str] | None = None,
+    exit_timeout_s: int = 30,
+) -> RunningServer:
+    ports = ports or Ports(*free_ports(3))
+    cmd = server_command(model_repository, ports, extra_args, exit_timeout_s)
+    out = open(log_path, "w") if log_path else None  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(cmd.argv, env=cmd.env, stdout=out, stderr=subprocess.STDOUT)
+    return RunningServer(proc, ports, cmd, log_path)

@@ -1,0 +1,224 @@
+"""TritonPythonModel for the decoupled `llm` model: Triton requests -> engine -> responses.
+
+Threads (STYLE 11): Triton's execute() validates, submits and returns at once; the engine's loop
+thread computes and puts deltas into the outbox; the sender thread drains the outbox, coalesces
+what piled up per request and calls send(); the watcher thread polls client cancellation at a
+bounded rate and turns it into engine aborts. finalize() stops the engine (in-flight requests get
+an error), then the sender, then the watcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hsserve.config import DEFAULT_MODEL, EngineConfig
+from hsserve.engine import Engine
+from hsserve.request import Delta, FinishReason, RequestError
+from hsserve.triton_io import INPUTS, parse_request
+
+pb_utils = None  # NOTE: bound in initialize(); the module imports without Triton
+_STOP = None
+_CANCEL_POLL_S = 0.1  # how often the watcher looks; each request is asked at most every 0.25 s
+_CANCEL_PER_REQUEST_S = 0.25
+_HIDDEN_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}
+
+
+@dataclass
+class _Inflight:
+    sender: object
+    stream: bool
+    deltas: list[Delta] = field(default_factory=list)  # non-streaming: gathered until final
+    next_cancel_check: float = 0.0
+
+
+def _tensor(name: str, value: torch.Tensor):
+    """Numeric outputs go through DLPack: works with numpy 1.x and 2.x stubs, and bf16."""
+    return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
+
+
+def _strings(name: str, values: list[str]):
+    return pb_utils.Tensor(name, np.array([v.encode("utf-8") for v in values], dtype=np.object_))
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        global pb_utils
+        import triton_python_backend_utils as _pb
+
+        pb_utils = _pb
+        self.logger = pb_utils.Logger
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("the llm model must be decoupled")
+        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        model = params.get("model", DEFAULT_MODEL)
+        if model not in ("", DEFAULT_MODEL) and not os.path.isabs(model):
+            params["model"] = os.path.join(args["model_repository"], model)
+        if params.get("device", "auto") == "auto" and args.get("model_instance_kind") == "GPU":
+            params["device"] = f"cuda:{args['model_instance_device_id']}"
+        config = EngineConfig.from_parameters(params)
+        out = pb_utils.get_output_config_by_name(model_config, "HIDDEN_STATES")
+        self.hidden_dtype = _HIDDEN_DTYPES[out["data_type"]] if out else torch.float32
+        self.engine = Engine(config).start()  # NOTE: a load error is raised here, to Triton
+        self.default_max_tokens = config.default_max_tokens
+        self._inflight: dict[str, _Inflight] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._counter = 0
+        self._stopping = threading.Event()
+        self._sender = threading.Thread(target=self._send_loop, name="hsserve-sender", daemon=True)
+        self._watcher = threading.Thread(target=self._watch_loop, name="hsserve-cancel", daemon=True)
+        self._sender.start()
+        self._watcher.start()
+        spec = self.engine.spec
+        self.logger.log_info(
+            f"hsserve: {spec.family} {spec.num_layers} layers, hidden {spec.hidden_size}, "
+            f"ceiling {config.hidden_states_ceiling.label}, max_model_len {self.engine.max_model_len}"
+        )
+
+    # ---- execute: validate, submit, return ----------------------------------------------------
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            with self._lock:
+                self._counter += 1
+                rid = f"{request.request_id() or 'req'}#{self._counter}"
+            try:
+                tensors = {}
+                for name in INPUTS:
+                    t = pb_utils.get_input_tensor_by_name(request, name)
+                    if t is not None:
+                        tensors[name] = t.as_numpy()
+                parsed = parse_request(rid, tensors, request.parameters(), self.default_max_tokens)
+                with self._lock:
+                    self._inflight[rid] = _Inflight(sender, parsed.stream)
+                self.engine.submit(parsed.request, sink=self._outbox.put)
+            except RequestError as e:
+                self._forget(rid)
+                self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            except Exception as e:  # noqa: BLE001 - never let one request break the batch
+                self._forget(rid)
+                code = pb_utils.TritonError.UNAVAILABLE if self._stopping.is_set() else None
+                self._send_error(sender, f"{type(e).__name__}: {e}", code)
+        return None
+
+    def _forget(self, rid: str) -> _Inflight | None:
+        with self._lock:
+            return self._inflight.pop(rid, None)
+
+    def _send_error(self, sender, message: str, code=None) -> None:
+        err = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+        try:
+            sender.send(pb_utils.InferenceResponse(error=err),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as e:  # noqa: BLE001 - the client may be gone
+            self.logger.log_warn(f"hsserve: could not send an error response: {e}")
+
+    # ---- sender thread ------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            batch = [self._outbox.get()]
+            while True:  # NOTE: drain what piled up; one response per request per round
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            by_request: dict[str, list[Delta]] = {}
+            stop = False
+            for d in batch:
+                if d is _STOP:
+                    stop = True
+                else:
+                    by_request.setdefault(d.request_id, []).append(d)
+            for rid, deltas in by_request.items():
+                self._deliver(rid, Delta.merge(deltas))
+            if stop:
+                return
+
+    def _deliver(self, rid: str, delta: Delta) -> None:
+        with self._lock:
+            state = self._inflight.get(rid)
+            if state is not None and delta.finished:
+                del self._inflight[rid]
+        if state is None:
+            return
+        if not state.stream:
+            state.deltas.append(delta)
+            if not delta.finished:
+                return
+            delta = Delta.merge(state.deltas)
+        try:
+            self._send(state, delta)
+        except Exception as e:  # noqa: BLE001 - a vanished client must not stop the sender
+            self.logger.log_warn(f"hsserve: send failed for {rid}: {e}")
+            if not delta.finished:
+                self.engine.abort(rid)
+                self._forget(rid)
+
+    def _send(self, state: _Inflight, delta: Delta) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if delta.finish_reason == FinishReason.CANCELLED:
+            err = pb_utils.TritonError("the request was cancelled", pb_utils.TritonError.CANCELLED)
+            state.sender.send(pb_utils.InferenceResponse(error=err), flags=final)
+            return
+        if delta.finish_reason == FinishReason.ERROR:
+            state.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                delta.error or "the engine failed")), flags=final)
+            return
+        outputs = [
+            _strings("text_output", [delta.text]),
+            _tensor("output_ids", torch.tensor(delta.token_ids, dtype=torch.int32)),
+            _tensor("sequence_index", torch.tensor([delta.sequence_index], dtype=torch.uint32)),
+        ]
+        if delta.hidden is not None:  # NOTE: responses without rows omit HIDDEN_STATES
+            outputs.append(_tensor("HIDDEN_STATES", delta.hidden.to(self.hidden_dtype)))
+        if delta.finished:
+            outputs += [
+                _strings("finish_reason", [delta.finish_reason.value]),
+                _tensor("num_input_tokens", torch.tensor([delta.num_input_tokens], dtype=torch.uint32)),
+                _tensor("num_output_tokens", torch.tensor([delta.num_output_tokens], dtype=torch.uint32)),
+            ]
+        state.sender.send(pb_utils.InferenceResponse(output_tensors=outputs),
+                          flags=final if delta.finished else 0)
+
+    # ---- cancellation watcher -----------------------------------------------------------------
+
+    def _watch_loop(self) -> None:
+        while not self._stopping.wait(_CANCEL_POLL_S):
+            now = time.monotonic()
+            with self._lock:
+                due = [(rid, s) for rid, s in self._inflight.items() if s.next_cancel_check <= now]
+                for _, s in due:
+                    s.next_cancel_check = now + _CANCEL_PER_REQUEST_S
+            for rid, s in due:
+                try:
+                    cancelled = s.sender.is_cancelled()
+                except Exception:  # noqa: BLE001 - a closed stream counts as cancelled
+                    cancelled = True
+                if cancelled:
+                    self.engine.abort(rid)
+
+    # ---- shutdown -----------------------------------------------------------------------------
+
+    def finalize(self) -> None:
+        self.logger.log_info("hsserve: finalizing")
+        self._stopping.set()
+        self.engine.shutdown()  # NOTE: every in-flight request gets its final (error) delta
+        self._outbox.put(_STOP)
+        self._sender.join(timeout=30)
+        self._watcher.join(timeout=5)
+        with self._lock:
+            left = list(self._inflight.values())
+            self._inflight.clear()
+        for state in left:
+            self._send_error(state.sender, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)

@@ -1,0 +1,73 @@
+"""TritonPythonModel for `llm_sync`: a unary front over the decoupled `llm` model.
+
+Triton refuses unary infer() on decoupled models; this model forwards each request to `llm`
+through BLS (decoupled exec, stream forced off), gathers its responses and answers once with
+the same outputs. It holds no weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from hsserve.triton_io import INPUTS, OUTPUTS
+
+pb_utils = None  # NOTE: bound in initialize()
+_TARGET = "llm"
+_FINAL_ONLY = ("num_input_tokens", "num_output_tokens", "sequence_index")
+
+
+def _join(name: str, tensors: list):
+    """Concatenate one output over the responses (strings joined, rows stacked)."""
+    if name == "text_output":
+        text = b"".join(b for t in tensors for b in t.as_numpy().reshape(-1))
+        return pb_utils.Tensor(name, np.array([text], dtype=np.object_))
+    if len(tensors) == 1:
+        return pb_utils.Tensor.from_dlpack(name, tensors[0].to_dlpack())
+    parts = [torch.utils.dlpack.from_dlpack(t.to_dlpack()) for t in tensors]
+    return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(torch.cat(parts)))
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        global pb_utils
+        import triton_python_backend_utils as _pb
+
+        pb_utils = _pb
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.target = params.get("target_model", _TARGET)
+
+    def execute(self, requests):
+        return [self._forward(r) for r in requests]
+
+    def _forward(self, request):
+        inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in INPUTS)
+                  if t is not None and t.name() != "stream"]
+        inputs.append(pb_utils.Tensor("stream", np.array([False])))
+        bls = pb_utils.InferenceRequest(
+            model_name=self.target,
+            requested_output_names=list(OUTPUTS),
+            inputs=inputs,
+            parameters=json.loads(request.parameters() or "{}"),
+        )
+        gathered: dict[str, list] = {}
+        for response in bls.exec(decoupled=True):
+            if response.has_error():
+                return pb_utils.InferenceResponse(error=response.error())
+            for t in response.output_tensors():
+                gathered.setdefault(t.name(), []).append(t)
+        if not gathered:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"{self.target} returned no outputs"))
+        outputs = []
+        for name, ts in gathered.items():
+            if name == "finish_reason":
+                outputs.append(pb_utils.Tensor(name, ts[-1].as_numpy()))
+            elif name in _FINAL_ONLY:
+                outputs.append(pb_utils.Tensor.from_dlpack(name, ts[-1].to_dlpack()))
+            else:
+                outputs.append(_join(name, ts))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
