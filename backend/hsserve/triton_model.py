@@ -3,7 +3,7 @@
 Threads (STYLE 11): Triton's execute() validates, submits and returns at once; the engine's loop
 thread computes and puts deltas into the outbox; the sender thread drains the outbox, coalesces
 what piled up per request and calls send(); the watcher thread polls client cancellation at a
-bounded rate and turns it into engine aborts. finalize() stops the engine (in-flight requests get
+bounded rate, turns it into engine aborts, and refreshes the gauges. finalize() stops the engine (in-flight requests get
 an error), then the sender, then the watcher.
 """
 
@@ -23,6 +23,7 @@ from hsserve.config import DEFAULT_MODEL, EngineConfig
 from hsserve.engine import Engine
 from hsserve.request import Delta, FinishReason, RequestError
 from hsserve.triton_io import INPUTS, parse_request
+from hsserve.triton_metrics import EngineGauges
 
 pb_utils = None  # NOTE: bound in initialize(); the module imports without Triton
 _STOP = None
@@ -69,6 +70,9 @@ class TritonPythonModel:
         self.hidden_dtype = _HIDDEN_DTYPES[out["data_type"]] if out else torch.float32
         self.engine = Engine(config).start()  # NOTE: a load error is raised here, to Triton
         self.default_max_tokens = config.default_max_tokens
+        self.gauges = EngineGauges(
+            pb_utils, {"model": args["model_name"], "version": str(args["model_version"])}
+        )
         self._inflight: dict[str, _Inflight] = {}
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -195,6 +199,10 @@ class TritonPythonModel:
 
     def _watch_loop(self) -> None:
         while not self._stopping.wait(_CANCEL_POLL_S):
+            try:
+                self.gauges.refresh(self.engine)
+            except Exception as e:  # noqa: BLE001 - metrics must never stop cancellation
+                self.logger.log_warn(f"hsserve: metrics refresh failed: {e}")
             now = time.monotonic()
             with self._lock:
                 due = [(rid, s) for rid, s in self._inflight.items() if s.next_cancel_check <= now]

@@ -1,0 +1,54 @@
+"""A real tritonserver on free ports, serving a copy of the repository's model_repository plus
+`llm_capped` (the same model with a lower hidden-state ceiling and a few captured layers)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+
+from hsserve.server import start_server
+
+REPO = os.path.join(os.path.dirname(__file__), "..", "..", "model_repository")
+
+
+def set_parameter(config_path: str, key: str, value: str) -> None:
+    with open(config_path) as f:
+        text = f.read()
+    pattern = r'(key: "%s", value: \{ string_value: ")[^"]*(")' % re.escape(key)
+    text, n = re.subn(pattern, r"\g<1>%s\g<2>" % value, text)
+    assert n == 1, key
+    with open(config_path, "w") as f:
+        f.write(text)
+
+
+def make_repository(root: str, smollm_dir: str) -> str:
+    repo = os.path.join(root, "model_repository")
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    capped = os.path.join(repo, "llm_capped")
+    shutil.copytree(os.path.join(repo, "llm"), capped)
+    cfg = os.path.join(capped, "config.pbtxt")
+    with open(cfg) as f:
+        text = f.read().replace('name: "llm"', 'name: "llm_capped"')
+    with open(cfg, "w") as f:
+        f.write(text)
+    set_parameter(cfg, "hidden_states_ceiling", "last")
+    set_parameter(cfg, "hidden_layers_captured", "0 15 -1")
+    set_parameter(cfg, "max_num_seqs", "4")
+    for name in ("llm", "llm_capped"):
+        set_parameter(os.path.join(repo, name, "config.pbtxt"), "model", smollm_dir)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, smollm_dir):
+    root = str(tmp_path_factory.mktemp("triton"))
+    repo = make_repository(root, smollm_dir)
+    server = start_server(repo, log_path=os.path.join(root, "server.log"))
+    try:
+        server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped"))
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,146 @@
+"""Talking to the real server in tests: typed inputs, gRPC streams, unary calls, metrics."""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import np_to_triton_dtype
+
+TYPES = {
+    "text_input": np.object_, "input_ids": np.int32, "stream": np.bool_, "max_tokens": np.int32,
+    "temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "seed": np.uint64,
+    "stop": np.object_, "stop_token_ids": np.int32, "ignore_eos": np.bool_, "n": np.int32,
+    "sampling_parameters": np.object_, "MODE": np.object_, "hidden_layers": np.int32,
+}
+LIST_INPUTS = {"input_ids", "stop", "stop_token_ids", "hidden_layers"}
+
+
+def arrays(fields: dict) -> dict[str, np.ndarray]:
+    out = {}
+    for name, value in fields.items():
+        values = list(value) if name in LIST_INPUTS else [value]
+        dtype = TYPES[name]
+        if dtype is np.object_:
+            values = [v.encode() if isinstance(v, str) else v for v in values]
+        out[name] = np.array(values, dtype=dtype)
+    return out
+
+
+def infer_inputs(module, fields: dict, raw: dict[str, np.ndarray] | None = None):
+    inputs = []
+    for name, arr in {**arrays(fields), **(raw or {})}.items():
+        inp = module.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    return inputs
+
+
+@dataclass
+class Streamed:
+    responses: list[dict[str, np.ndarray]] = field(default_factory=list)
+    error: Exception | None = None
+
+    def cat(self, name: str):
+        parts = [r[name] for r in self.responses if r.get(name) is not None]
+        if not parts:
+            return None
+        if name == "text_output":
+            return b"".join(b for p in parts for b in p.reshape(-1)).decode()
+        return np.concatenate(parts)
+
+    def final(self, name: str):
+        return self.responses[-1].get(name)
+
+
+OUTPUT_NAMES = ("text_output", "output_ids", "HIDDEN_STATES", "finish_reason", "num_input_tokens",
+                "num_output_tokens", "sequence_index")
+
+
+def _as_dict(result) -> dict[str, np.ndarray]:
+    return {n: result.as_numpy(n) for n in OUTPUT_NAMES}
+
+
+class GrpcStream:
+    """One gRPC stream: send requests, read their responses until each is final."""
+
+    def __init__(self, url: str):
+        self.client = grpcclient.InferenceServerClient(url)
+        self.queue: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.queue.put((result, error)))
+
+    def send(self, fields: dict, request_id: str = "", model: str = "llm", raw=None) -> None:
+        self.client.async_stream_infer(model, infer_inputs(grpcclient, fields, raw),
+                                       request_id=request_id, enable_empty_final_response=True)
+
+    def read(self, timeout: float = 300.0) -> Streamed:
+        """Responses of one request (the stream carries one request at a time here)."""
+        out = Streamed()
+        while True:
+            result, error = self.queue.get(timeout=timeout)
+            if error is not None:
+                out.error = error
+                return out
+            response = result.get_response()
+            data = {n: result.as_numpy(n) for n in OUTPUT_NAMES}
+            if any(v is not None for v in data.values()):
+                out.responses.append(data)
+            if response.parameters["triton_final_response"].bool_param:
+                return out
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def stream_once(url: str, fields: dict, raw=None, model: str = "llm") -> Streamed:
+    s = GrpcStream(url)
+    try:
+        s.send({"stream": True, **fields} if "stream" not in fields else fields, raw=raw, model=model)
+        return s.read()
+    finally:
+        s.close()
+
+
+def unary_http(url: str, fields: dict, model: str = "llm_sync"):
+    client = httpclient.InferenceServerClient(url)
+    outputs = [httpclient.InferRequestedOutput(n, binary_data=True) for n in OUTPUT_NAMES]
+    return _as_dict(client.infer(model, infer_inputs(httpclient, fields), outputs=outputs))
+
+
+def unary_grpc(url: str, fields: dict, model: str = "llm_sync"):
+    client = grpcclient.InferenceServerClient(url)
+    return _as_dict(client.infer(model, infer_inputs(grpcclient, fields)))
+
+
+def metrics(http_metrics_url: str) -> dict[str, float]:
+    """Our gauges (llm_*), summed over labels."""
+    text = urllib.request.urlopen(http_metrics_url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("llm_"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def http_generate(url: str, model: str, body: dict, stream: bool = False):
+    """POST /v2/models/<model>/generate[_stream]; returns (status, json or list of events)."""
+    path = "generate_stream" if stream else "generate"
+    req = urllib.request.Request(f"http://{url}/v2/models/{model}/{path}",
+                                 data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            text = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode())
+    if stream:
+        return status, [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+    return status, json.loads(text)
