@@ -90,6 +90,10 @@ class Engine:
         """Cancel a request; its sink gets a final delta with finish_reason 'cancelled'."""
         self._inbox.put(("abort", request_id))
 
+    def abort_all(self, message: str) -> None:
+        """End every request in flight with an error delta carrying `message`."""
+        self._inbox.put(("fail_all", message))
+
     def generate(self, request: GenerationRequest, timeout: float | None = None):
         """Blocking convenience: submit and collect the Result."""
         return self.submit(request).result(timeout)
@@ -222,8 +226,10 @@ class Engine:
             kind, arg = msg
             if kind == "add":
                 self._add(arg)
-            else:
+            elif kind == "abort":
                 self._abort(arg)
+            else:
+                self._fail_all(arg)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:

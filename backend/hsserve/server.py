@@ -141,7 +141,8 @@ class RunningServer:
             return "\n--- server log tail ---\n" + "".join(f.readlines()[-40:])
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM (Triton's graceful shutdown), then SIGKILL after `timeout`."""
+        """SIGTERM (Triton's graceful shutdown), then SIGKILL after `timeout`; then whatever is
+        left of its process group (stubs) is killed too."""
         if self._closed:
             return self.process.returncode
         self._closed = True
@@ -152,6 +153,10 @@ class RunningServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        try:  # NOTE: the server leads its own process group (start_server); stubs are in it
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if self.command.backend_dir:
             shutil.rmtree(self.command.backend_dir, ignore_errors=True)
         return self.process.returncode
@@ -167,5 +172,7 @@ def start_server(
     ports = ports or Ports(*free_ports(3))
     cmd = server_command(model_repository, ports, extra_args, exit_timeout_s)
     out = open(log_path, "w") if log_path else None  # noqa: SIM115 - owned by the process
-    proc = subprocess.Popen(cmd.argv, env=cmd.env, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd.argv, env=cmd.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
     return RunningServer(proc, ports, cmd, log_path)

@@ -23,12 +23,14 @@ from hsserve.config import DEFAULT_MODEL, EngineConfig
 from hsserve.engine import Engine
 from hsserve.request import Delta, FinishReason, RequestError
 from hsserve.triton_io import INPUTS, parse_request
+from hsserve.server_state import ServerWatch, http_ready_url
 from hsserve.triton_metrics import EngineGauges
 
 pb_utils = None  # NOTE: bound in initialize(); the module imports without Triton
 _STOP = None
 _CANCEL_POLL_S = 0.1  # how often the watcher looks; each request is asked at most every 0.25 s
 _CANCEL_PER_REQUEST_S = 0.25
+_READY_POLL_S = 0.5  # how often, while requests are in flight, the model's readiness is read
 _HIDDEN_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}
 
 
@@ -70,6 +72,8 @@ class TritonPythonModel:
         self.hidden_dtype = _HIDDEN_DTYPES[out["data_type"]] if out else torch.float32
         self.engine = Engine(config).start()  # NOTE: a load error is raised here, to Triton
         self.default_max_tokens = config.default_max_tokens
+        self._server_watch = ServerWatch(http_ready_url())
+        self._shutting_down = False
         self.gauges = EngineGauges(
             pb_utils, {"model": args["model_name"], "version": str(args["model_version"])}
         )
@@ -80,8 +84,11 @@ class TritonPythonModel:
         self._stopping = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name="hsserve-sender", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="hsserve-cancel", daemon=True)
-        self._sender.start()
-        self._watcher.start()
+        self._stop_watcher = threading.Thread(
+            target=self._stop_watch_loop, name="hsserve-stopwatch", daemon=True
+        )
+        for t in (self._sender, self._watcher, self._stop_watcher):
+            t.start()
         spec = self.engine.spec
         self.logger.log_info(
             f"hsserve: {spec.family} {spec.num_layers} layers, hidden {spec.hidden_size}, "
@@ -176,8 +183,9 @@ class TritonPythonModel:
             state.sender.send(pb_utils.InferenceResponse(error=err), flags=final)
             return
         if delta.finish_reason == FinishReason.ERROR:
-            state.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                delta.error or "the engine failed")), flags=final)
+            code = pb_utils.TritonError.UNAVAILABLE if self._shutting_down else pb_utils.TritonError.INTERNAL
+            err = pb_utils.TritonError(delta.error or "the engine failed", code)
+            state.sender.send(pb_utils.InferenceResponse(error=err), flags=final)
             return
         outputs = [
             _strings("text_output", [delta.text]),
@@ -199,24 +207,40 @@ class TritonPythonModel:
 
     def _watch_loop(self) -> None:
         while not self._stopping.wait(_CANCEL_POLL_S):
+            if self._shutting_down:  # NOTE: no more calls into a backend that is unloading
+                return
             try:
                 self.gauges.refresh(self.engine)
             except Exception as e:  # noqa: BLE001 - metrics must never stop cancellation
                 self.logger.log_warn(f"hsserve: metrics refresh failed: {e}")
-            now = time.monotonic()
-            with self._lock:
-                due = [(rid, s) for rid, s in self._inflight.items() if s.next_cancel_check <= now]
-                for _, s in due:
-                    s.next_cancel_check = now + _CANCEL_PER_REQUEST_S
-            for rid, s in due:
-                try:
-                    cancelled = s.sender.is_cancelled()
-                except Exception:  # noqa: BLE001 - a closed stream counts as cancelled
-                    cancelled = True
-                if cancelled:
-                    self.engine.abort(rid)
+            self._poll_cancellations()
+
+    def _poll_cancellations(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [(rid, s.sender) for rid, s in self._inflight.items() if s.next_cancel_check <= now]
+            for rid, _ in due:
+                self._inflight[rid].next_cancel_check = now + _CANCEL_PER_REQUEST_S
+        for rid, sender in due:
+            try:
+                cancelled = sender.is_cancelled()
+            except Exception:  # noqa: BLE001 - a closed stream counts as cancelled
+                cancelled = True
+            if cancelled:
+                self.engine.abort(rid)
 
     # ---- shutdown -----------------------------------------------------------------------------
+
+    def _stop_watch_loop(self) -> None:
+        """Triton calls finalize() only after in-flight decoupled requests end (server_state.py):
+        when the server starts stopping they are ended here, with UNAVAILABLE. This thread makes
+        no call into the backend, which may be busy unloading other models by then."""
+        while not self._stopping.wait(_READY_POLL_S):
+            if self._server_watch.stopping() and self._inflight:
+                self._shutting_down = True
+                self.logger.log_info("hsserve: server stopping; ending requests in flight")
+                self.engine.abort_all("the server is shutting down")
+                return
 
     def finalize(self) -> None:
         self.logger.log_info("hsserve: finalizing")
@@ -225,6 +249,7 @@ class TritonPythonModel:
         self._outbox.put(_STOP)
         self._sender.join(timeout=30)
         self._watcher.join(timeout=5)
+        self._stop_watcher.join(timeout=5)
         with self._lock:
             left = list(self._inflight.values())
             self._inflight.clear()

@@ -1,0 +1,77 @@
+"""Stopping the server while requests stream: they end with an error at once, the server exits
+within its exit timeout, and no process is left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import make_repository
+from hsserve.server import start_server
+from triton_helpers import GrpcStream
+
+EXIT_TIMEOUT_S = 10
+
+
+def stub_processes(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "triton_python_backend_stub" in line and marker in line]
+
+
+@pytest.fixture(scope="module")
+def stopped_server(tmp_path_factory, smollm_dir):
+    """Start a server, stream 3 endless requests, SIGTERM it; report what happened."""
+    root = tmp_path_factory.mktemp("shutdown")
+    repo = make_repository(str(root), smollm_dir)
+    server = start_server(repo, log_path=str(root / "server.log"), exit_timeout_s=EXIT_TIMEOUT_S)
+    marker = server.command.backend_dir or repo  # NOTE: each server's stubs run from its own dir
+    try:
+        server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped"))
+        had_stubs = bool(stub_processes(marker))
+        streams = []
+        for i in range(3):
+            s = GrpcStream(server.grpc_url)
+            s.send(dict(text_input=f"Endless story {i}", max_tokens=3000, ignore_eos=True, stream=True,
+                        temperature=0.0, MODE="last"))
+            streams.append(s)
+        for s in streams:  # all are generating
+            _, error = s.queue.get(timeout=120)
+            assert error is None
+        t0 = time.time()
+        server.process.send_signal(15)
+        ended = [s.read(timeout=30) for s in streams]
+        error_after = time.time() - t0
+        for s in streams:
+            s.close()
+        try:
+            server.process.wait(EXIT_TIMEOUT_S + 5)
+            exited_in_time = True
+        except subprocess.TimeoutExpired:
+            exited_in_time = False
+        server.stop(timeout=60)
+        yield dict(had_stubs=had_stubs, ended=ended, error_after=error_after,
+                   exited_in_time=exited_in_time, stubs_left=stub_processes(marker), server=server)
+    finally:
+        server.stop()
+
+
+def test_streams_end_with_an_error_promptly(stopped_server):
+    for got in stopped_server["ended"]:
+        assert got.error is not None, "a stream ended without an error"
+        assert "shutting down" in got.error.message()
+    assert stopped_server["error_after"] < 5.0
+
+
+def test_no_process_is_left(stopped_server):
+    assert stopped_server["had_stubs"]
+    assert not stopped_server["stubs_left"], stopped_server["stubs_left"]
+    assert stopped_server["server"].process.poll() is not None
+    assert not os.path.exists(stopped_server["server"].command.backend_dir or "/nonexistent")
+
+
+def test_server_exits_within_exit_timeout(stopped_server):
+    # NOTE: Triton unloads the model once the clients have closed their ended streams
+    assert stopped_server["exited_in_time"]
