@@ -1,0 +1,169 @@
+"""gRPC streaming through tritonserver vs the engine called directly, same machine, same run.
+
+For concurrency 1 and 16 (default): tokens/s, TTFT p50/p99 and inter-token latency p50/p99.
+Each request: a ~30-token prompt, 64 new tokens (EOS ignored), greedy, MODE=none. The engine
+runs first in this process and is shut down; then the server starts on the repository.
+
+    python bench/triton_stream_vs_direct.py [--concurrency 1 16] [--requests 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "integration"))
+from common import write_result  # noqa: E402
+
+from hsserve import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from hsserve.server import start_server  # noqa: E402
+
+REPO = os.path.join(os.path.dirname(__file__), "..", "model_repository")
+
+
+def prompt(i: int) -> str:
+    return f"Request {i}: write a short story about a lighthouse keeper and the sea at night."
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs), q)) if xs else float("nan")
+
+
+class Timing:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.tokens = 0
+
+    def record(self, start: float, arrivals: list[tuple[float, int]]) -> None:
+        """arrivals: (time, tokens in that response) for responses carrying tokens."""
+        with self.lock:
+            self.ttft.append(arrivals[0][0] - start)
+            for (t0, _), (t1, k) in zip(arrivals, arrivals[1:]):
+                self.itl += [(t1 - t0) / k] * k
+            self.tokens += sum(k for _, k in arrivals)
+
+    def summary(self, wall: float) -> dict:
+        return {
+            "tok_s": round(self.tokens / wall, 1),
+            "ttft_p50_ms": round(percentile(self.ttft, 50) * 1e3, 1),
+            "ttft_p99_ms": round(percentile(self.ttft, 99) * 1e3, 1),
+            "itl_p50_ms": round(percentile(self.itl, 50) * 1e3, 1),
+            "itl_p99_ms": round(percentile(self.itl, 99) * 1e3, 1),
+        }
+
+
+def run_pool(concurrency: int, n: int, one) -> tuple[Timing, float]:
+    timing, jobs = Timing(), queue.Queue()
+    for i in range(n):
+        jobs.put(i)
+
+    def worker():
+        while True:
+            try:
+                i = jobs.get_nowait()
+            except queue.Empty:
+                return
+            one(i, timing)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return timing, time.perf_counter() - t0
+
+
+def direct_one(engine: Engine, new: int):
+    def one(i: int, timing: Timing):
+        start = time.perf_counter()
+        stream = engine.submit(GenerationRequest(
+            f"d{i}-{time.monotonic_ns()}", prompt=prompt(i),
+            sampling=SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)))
+        arrivals = [(time.perf_counter(), len(d.token_ids)) for d in stream if d.token_ids]
+        timing.record(start, arrivals)
+    return one
+
+
+def grpc_one(url: str, new: int):
+    from triton_helpers import GrpcStream
+
+    def one(i: int, timing: Timing):
+        s = GrpcStream(url)
+        start = time.perf_counter()
+        s.send(dict(text_input=prompt(i), max_tokens=new, temperature=0.0, ignore_eos=True,
+                    stream=True))
+        arrivals = []
+        while True:
+            result, error = s.queue.get(timeout=600)
+            assert error is None, error
+            now = time.perf_counter()
+            ids = result.as_numpy("output_ids")
+            if ids is not None and len(ids):
+                arrivals.append((now, len(ids)))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        s.close()
+        timing.record(start, arrivals)
+    return one
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_triton.json"))
+    args = ap.parse_args()
+
+    rows = {c: {} for c in args.concurrency}
+    engine = Engine(EngineConfig(device="cpu", max_num_seqs=64)).start()
+    try:
+        run_pool(2, 2, direct_one(engine, 8))  # warm-up
+        for c in args.concurrency:
+            n = max(args.requests if c > 1 else 4, c)
+            timing, wall = run_pool(c, n, direct_one(engine, args.new))
+            rows[c]["direct"] = timing.summary(wall)
+            print(f"direct c={c}: {rows[c]['direct']}", flush=True)
+    finally:
+        engine.shutdown()
+    server = start_server(REPO, log_path=os.path.join(os.path.dirname(args.out), "triton_bench_server.log"))
+    try:
+        server.wait_ready(timeout=600, models=("llm",))
+        run_pool(2, 2, grpc_one(server.grpc_url, 8))  # warm-up
+        for c in args.concurrency:
+            n = max(args.requests if c > 1 else 4, c)
+            timing, wall = run_pool(c, n, grpc_one(server.grpc_url, args.new))
+            rows[c]["grpc_stream"] = timing.summary(wall)
+            rows[c]["ratio"] = round(rows[c]["grpc_stream"]["tok_s"] / rows[c]["direct"]["tok_s"], 3)
+            print(f"grpc c={c}: {rows[c]['grpc_stream']} ratio {rows[c]['ratio']}", flush=True)
+    finally:
+        server.stop()
+    write_result(args.out, {
+        "benchmark": "grpc_streaming_vs_engine_direct",
+        "model": "SmolLM2-135M-Instruct float32 (CPU)",
+        "new_tokens": args.new,
+        "rows": [{"concurrency": c, **r} for c, r in rows.items()],
+    })
+    print("| concurrency | path | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("|---:|---|---:|---:|---:|")
+    for c, r in rows.items():
+        for path in ("direct", "grpc_stream"):
+            x = r[path]
+            print(f"| {c} | {path} | {x['tok_s']} | {x['ttft_p50_ms']} / {x['ttft_p99_ms']} | "
+                  f"{x['itl_p50_ms']} / {x['itl_p99_ms']} |")
+        print(f"| {c} | ratio grpc/direct | {r['ratio']} | | |")
+
+
+if __name__ == "__main__":
+    main()
