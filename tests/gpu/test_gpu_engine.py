@@ -1,0 +1,70 @@
+"""On CUDA (pytest -m gpu): the engine against transformers on tiny random models.
+
+float32: greedy tokens equal and rows within 1e-3 of the row norm; bfloat16: rows of the same
+tokens with cosine >= 0.999 against a float32 transformers forward (SPEC tolerance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams
+from oracle import hf_greedy, hf_hidden, max_rel_row_diff
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    out = {}
+    common = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                  eos_token_id=2, bos_token_id=1)
+    for name, cfg in [("llama", LlamaConfig(**common)), ("qwen3", Qwen3Config(**common, head_dim=32))]:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        folder = str(tmp_path_factory.mktemp(name))
+        model.save_pretrained(folder)
+        out[name] = folder
+    return out
+
+
+def run(engine, prompts, mode, layers, max_new):
+    streams = [engine.submit(GenerationRequest(
+        f"g{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=max_new, temperature=0.0),
+        hidden_mode=mode, hidden_layers=layers)) for i, p in enumerate(prompts)]
+    return [s.result(timeout=300) for s in streams]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_engine_matches_transformers(tiny_dirs, family, dtype):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_dirs[family]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 7, 16, 33, 70, 5)]
+    engine = Engine(EngineConfig(model=folder, device="cuda", dtype=dtype, block_size=16)).start()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    layers = (0, 2, -1)
+    try:
+        results = run(engine, prompts, HiddenStatesMode.FULL, layers, 12)
+    finally:
+        engine.shutdown()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    for p, r in zip(prompts, results):
+        ref = hf_hidden(hf, p + r.token_ids, layers)
+        assert r.hidden.shape == ref.shape
+        if dtype == "float32":
+            assert r.token_ids == hf_greedy(hf, p, 12, 2)
+            assert max_rel_row_diff(r.hidden, ref, len(layers)) <= 1e-3
+        else:
+            for ours, theirs in zip(r.hidden.chunk(3, -1), ref.chunk(3, -1)):
+                cos = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+                assert float(cos.min()) >= 0.999, float(cos.min())
