@@ -38,8 +38,19 @@ def make_repository(root: str, smollm_dir: str) -> str:
     set_parameter(cfg, "hidden_layers_captured", "0 15 -1")
     set_parameter(cfg, "max_num_seqs", "4")
     for name in ("llm", "llm_capped"):
-        set_parameter(os.path.join(repo, name, "config.pbtxt"), "model", smollm_dir)
+        cfg = os.path.join(repo, name, "config.pbtxt")
+        set_parameter(cfg, "model", smollm_dir)
+        add_parameter(cfg, "kv_cache_max_bytes", str(512 << 20))  # several servers share 24 GiB
     return repo
+
+
+def add_parameter(config_path: str, key: str, value: str) -> None:
+    with open(config_path) as f:
+        text = f.read()
+    entry = f'  {{ key: "{key}", value: {{ string_value: "{value}" }} }},\n'
+    text = text.replace("parameters [\n", "parameters [\n" + entry, 1)
+    with open(config_path, "w") as f:
+        f.write(text)
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +63,14 @@ def triton_server(tmp_path_factory, smollm_dir):
         yield server
     finally:
         server.stop()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The shutdown tests run after every other server test.
+
+    NOTE: seen once here: after the server that test_shutdown.py stops had exited, the session's
+    other tritonserver received a SIGTERM about a second later, while stub processes orphaned by
+    earlier killed servers were still alive (pid reuse is the suspect). Not reproduced since
+    the launcher kills each server's process group; the order keeps the suite safe either way.
+    """
+    items.sort(key=lambda item: item.fspath.basename == "test_shutdown.py")

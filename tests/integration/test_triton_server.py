@@ -97,13 +97,14 @@ def test_16_concurrent_streams_equal_alone(triton_server):
     cases = [dict(text_input=f"Story {i}: once upon a time", max_tokens=64, temperature=0.0,
                   ignore_eos=True, MODE=modes[i % 4], hidden_layers=[-1, 10], stream=True)
              for i in range(16)]
-    alone = [stream_once(url, c) for c in cases[:4]]
+    alone = [stream_once(url, c) for c in cases]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda c: stream_once(url, c), cases))
     for got in together:
         assert got.error is None
         assert len(got.cat("output_ids")) == 64
-    for a, b, mode in zip(alone, together[:4], modes):
+    for i, (a, b) in enumerate(zip(alone, together)):
+        mode = modes[i % 4]
         assert list(a.cat("output_ids")) == list(b.cat("output_ids"))
         if mode == "none":
             assert b.cat("HIDDEN_STATES") is None
@@ -140,7 +141,7 @@ def test_cancelled_stream_frees_everything_and_next_is_served(triton_server):
     m = wait_for_idle(triton_server, timeout=5)
     took = time.time() - t0
     assert m["llm_requests_running"] == 0 and m["llm_kv_blocks_in_use"] == 0, m
-    assert took <= 1.5, f"cancellation took {took:.2f}s"
+    assert took <= 1.0, f"cancellation took {took:.2f}s"
     got = stream_once(triton_server.grpc_url, dict(text_input="Next", max_tokens=4, temperature=0.0))
     assert got.error is None and len(got.cat("output_ids")) >= 1
 
