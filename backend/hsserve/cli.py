@@ -54,7 +54,9 @@ def _serve(args) -> int:
             f"metrics http://127.0.0.1:{ports.metrics}/metrics  (Ctrl-C stops)",
             flush=True,
         )
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+        # NOTE: explicit handlers: a shell starts background jobs with SIGINT ignored
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
         return server.process.wait()
     except KeyboardInterrupt:
         print("stopping tritonserver", flush=True)

@@ -123,15 +123,20 @@ class RunningServer:
 
         client = http.InferenceServerClient(self.http_url)
         deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.process.returncode}{self._tail()}")
-            try:
-                if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
-                    return
-            except Exception:  # noqa: BLE001 - not listening yet
-                pass
-            time.sleep(0.5)
+        try:
+            while time.time() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"tritonserver exited with {self.process.returncode}{self._tail()}"
+                    )
+                try:
+                    if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
+                        return
+                except Exception:  # noqa: BLE001 - not listening yet
+                    pass
+                time.sleep(0.5)
+        finally:
+            client.close()  # NOTE: an open keep-alive connection delays Triton's shutdown
         raise TimeoutError(f"tritonserver not ready after {timeout}s{self._tail()}")
 
     def _tail(self) -> str:

@@ -1,5 +1,6 @@
 """A real tritonserver on free ports, serving a copy of the repository's model_repository plus
-`llm_capped` (the same model with a lower hidden-state ceiling and a few captured layers)."""
+`llm_capped` (the same model with a lower hidden-state ceiling, a few captured layers and
+HIDDEN_STATES declared TYPE_BF16)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def make_repository(root: str, smollm_dir: str) -> str:
     set_parameter(cfg, "hidden_states_ceiling", "last")
     set_parameter(cfg, "hidden_layers_captured", "0 15 -1")
     set_parameter(cfg, "max_num_seqs", "4")
+    with open(cfg) as f:  # NOTE: rows in bfloat16 (DLPack: numpy has no bfloat16)
+        text = f.read().replace(
+            'name: "HIDDEN_STATES", data_type: TYPE_FP32', 'name: "HIDDEN_STATES", data_type: TYPE_BF16'
+        )
+    with open(cfg, "w") as f:
+        f.write(text)
     for name in ("llm", "llm_capped"):
         cfg = os.path.join(repo, name, "config.pbtxt")
         set_parameter(cfg, "model", smollm_dir)

@@ -192,3 +192,31 @@ def test_typed_input_wins_over_json(triton_server):
         sampling_parameters='{"max_tokens": 9, "ignore_eos": true}'))
     assert got.error is None
     assert len(got.cat("output_ids")) == 3
+
+
+def test_hidden_states_in_the_declared_dtype(triton_server):
+    """llm_capped declares HIDDEN_STATES as TYPE_BF16: the rows arrive as BF16, equal to the
+    float32 rows of `llm` rounded to bfloat16."""
+    import tritonclient.grpc as grpcclient
+
+    from triton_helpers import infer_inputs
+
+    fields = dict(text_input=PROMPT, max_tokens=0, MODE="last", hidden_layers=[-1], stream=False)
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    rows = {}
+    for model in ("llm", "llm_capped"):
+        results: list = []
+        client.start_stream(callback=lambda result, error: results.append((result, error)))
+        client.async_stream_infer(model, infer_inputs(grpcclient, fields))
+        deadline = time.time() + 60
+        while not results and time.time() < deadline:
+            time.sleep(0.01)
+        client.stop_stream()
+        result, error = results[0]
+        assert error is None, error
+        out = result.get_output("HIDDEN_STATES")
+        rows[model] = (out.datatype, result.as_numpy("HIDDEN_STATES"))
+    assert rows["llm"][0] == "FP32" and rows["llm_capped"][0] == "BF16"
+    fp32, bf16 = rows["llm"][1], rows["llm_capped"][1].astype(np.float32)
+    expected = torch.from_numpy(fp32).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(bf16, expected)
