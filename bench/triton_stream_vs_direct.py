@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import statistics
 import sys
 import threading
 import time

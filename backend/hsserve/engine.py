@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 from typing import Callable
 
 import torch
 
 from hsserve.config import EngineConfig
-from hsserve.detokenizer import IncrementalDetokenizer
+from hsserve.admission import Admission
 from hsserve.engine_setup import EngineParts, build_engine_parts
 from hsserve.executor import StepOutput
 from hsserve.request import Delta, FinishReason, GenerationRequest, HiddenStatesMode, RequestError
 from hsserve.request_stream import RequestStream
 from hsserve.scheduler import Chunk
-from hsserve.sequence import Sequence, Status
+from hsserve.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,6 @@ class Engine:
         self._ids_lock = threading.Lock()
         self._active_ids: set[str] = set()
         self._arrivals = 0
-        self._rng = random.Random()
         self.num_steps = 0
         self.num_mixed_steps = 0  # steps that ran prefill and decode together
         self.error: BaseException | None = None
@@ -58,6 +56,9 @@ class Engine:
         self.max_model_len, self.max_prompt_tokens = p.max_model_len, p.max_prompt_tokens
         self.captured_layers = p.captured_layers
         self.eos_ids = frozenset(self.spec.eos_token_ids)
+        self._admission = Admission(
+            self.config, p.spec, p.tokenizer, p.max_model_len, p.max_prompt_tokens, p.captured_layers
+        )
 
     # ---- client side (any thread) -------------------------------------------------------------
 
@@ -76,7 +77,7 @@ class Engine:
         """Validate and enqueue; raises RequestError naming the bad input. Returns the sink."""
         if self._stopped or not self._started:
             raise RuntimeError("the engine is not running")
-        seq = self._make_sequence(request, sink or RequestStream(request.request_id))
+        seq = self._admission.make_sequence(request, sink or RequestStream(request.request_id))
         with self._ids_lock:
             if request.request_id in self._active_ids:
                 raise RequestError("request_id", f"{request.request_id!r} is already in flight")
@@ -118,68 +119,6 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-    # ---- validation ---------------------------------------------------------------------------
-
-    def _prompt_ids(self, request: GenerationRequest) -> tuple[list[int], str]:
-        if (request.prompt is None) == (request.prompt_ids is None):
-            raise RequestError("text_input", "give exactly one of text_input or input_ids")
-        if request.prompt is not None:
-            if self.tokenizer is None:
-                raise RequestError("text_input", "this model has no tokenizer; send input_ids")
-            return list(self.tokenizer(request.prompt).input_ids), "text_input"
-        ids = [int(t) for t in request.prompt_ids]
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise RequestError(
-                "input_ids", f"token id {bad[0]} outside the vocabulary 0..{self.spec.vocab_size - 1}"
-            )
-        return ids, "input_ids"
-
-    def _make_sequence(self, request: GenerationRequest, sink: Sink) -> Sequence:
-        ids, name = self._prompt_ids(request)
-        sp = request.sampling
-        if not ids:
-            raise RequestError(name, "the prompt is empty")
-        if len(ids) > self.max_prompt_tokens:
-            raise RequestError(
-                name, f"the prompt has {len(ids)} tokens; max_prompt_tokens is {self.max_prompt_tokens}"
-            )
-        sp.validate(self.config.max_tokens_limit)
-        if len(ids) + (1 if sp.max_tokens else 0) > self.max_model_len:
-            raise RequestError(
-                name,
-                f"the prompt has {len(ids)} tokens; with max_tokens={sp.max_tokens} it must leave "
-                f"room within max_model_len={self.max_model_len}",
-            )
-        mode = HiddenStatesMode.parse(request.hidden_mode)
-        ceiling = self.config.hidden_states_ceiling
-        if mode > ceiling:
-            allowed = ", ".join(m.label for m in HiddenStatesMode if m <= ceiling)
-            raise RequestError(
-                "MODE", f"{mode.label!r} is above this server's ceiling {ceiling.label!r}; allowed: {allowed}"
-            )
-        layers: tuple[int, ...] = ()
-        if mode != HiddenStatesMode.NONE:
-            if not request.hidden_layers:
-                raise RequestError("hidden_layers", "empty; give at least one layer index")
-            layers = tuple(self._normalize_layer(k) for k in request.hidden_layers)
-        seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
-        seq = Sequence(request.request_id, ids, sp, seed, mode, layers, detok, sink, arrival=0)
-        if sp.max_tokens == 0:
-            seq.finish_reason = FinishReason.LENGTH  # NOTE: prompt only: no token is sampled
-        return seq
-
-    def _normalize_layer(self, k: int) -> int:
-        n = self.spec.num_layers
-        allowed = f"captured layers {list(self.captured_layers)} (or the same counted from the end)"
-        if not -(n + 1) <= k <= n:
-            raise RequestError("hidden_layers", f"layer {k} outside -{n + 1}..{n}; {allowed}")
-        k = self.spec.normalize_layer(k)
-        if k not in self.captured_layers:
-            raise RequestError("hidden_layers", f"layer {k} is not captured by this server; {allowed}")
-        return k
 
     # ---- loop thread --------------------------------------------------------------------------
 

@@ -4,7 +4,6 @@ errors. Reference: the same requests through the in-process engine, alone."""
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 
 import numpy as np

@@ -1,0 +1,95 @@
+"""Admission: a request is checked against the server's limits and becomes a Sequence.
+
+Runs on the submitting thread (Triton's execute), so a bad request is refused before it reaches
+the engine loop; every refusal is a RequestError naming the input and what is allowed.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hsserve.config import EngineConfig
+from hsserve.detokenizer import IncrementalDetokenizer
+from hsserve.models.spec import ModelSpec
+from hsserve.request import FinishReason, GenerationRequest, HiddenStatesMode, RequestError
+from hsserve.sequence import Sequence
+
+
+class Admission:
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: ModelSpec,
+        tokenizer,
+        max_model_len: int,
+        max_prompt_tokens: int,
+        captured_layers: tuple[int, ...],
+    ):
+        self.spec, self.tokenizer = spec, tokenizer
+        self.max_model_len, self.max_prompt_tokens = max_model_len, max_prompt_tokens
+        self.max_tokens_limit = config.max_tokens_limit
+        self.ceiling = config.hidden_states_ceiling
+        self.captured_layers = captured_layers
+        self._rng = random.Random()  # NOTE: seeds for unseeded requests
+
+    def prompt_ids(self, request: GenerationRequest) -> tuple[list[int], str]:
+        if (request.prompt is None) == (request.prompt_ids is None):
+            raise RequestError("text_input", "give exactly one of text_input or input_ids")
+        if request.prompt is not None:
+            if self.tokenizer is None:
+                raise RequestError("text_input", "this model has no tokenizer; send input_ids")
+            return list(self.tokenizer(request.prompt).input_ids), "text_input"
+        ids = [int(t) for t in request.prompt_ids]
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise RequestError(
+                "input_ids", f"token id {bad[0]} outside the vocabulary 0..{self.spec.vocab_size - 1}"
+            )
+        return ids, "input_ids"
+
+    def make_sequence(self, request: GenerationRequest, sink) -> Sequence:
+        """Validate `request` (RequestError names the input) and build its Sequence."""
+        ids, name = self.prompt_ids(request)
+        sp = request.sampling
+        if not ids:
+            raise RequestError(name, "the prompt is empty")
+        if len(ids) > self.max_prompt_tokens:
+            raise RequestError(
+                name, f"the prompt has {len(ids)} tokens; max_prompt_tokens is {self.max_prompt_tokens}"
+            )
+        sp.validate(self.max_tokens_limit)
+        if len(ids) + (1 if sp.max_tokens else 0) > self.max_model_len:
+            raise RequestError(
+                name,
+                f"the prompt has {len(ids)} tokens; with max_tokens={sp.max_tokens} it must leave "
+                f"room within max_model_len={self.max_model_len}",
+            )
+        mode = HiddenStatesMode.parse(request.hidden_mode)
+        ceiling = self.ceiling
+        if mode > ceiling:
+            allowed = ", ".join(m.label for m in HiddenStatesMode if m <= ceiling)
+            raise RequestError(
+                "MODE", f"{mode.label!r} is above this server's ceiling {ceiling.label!r}; allowed: {allowed}"
+            )
+        layers: tuple[int, ...] = ()
+        if mode != HiddenStatesMode.NONE:
+            if not request.hidden_layers:
+                raise RequestError("hidden_layers", "empty; give at least one layer index")
+            layers = tuple(self.normalize_layer(k) for k in request.hidden_layers)
+        seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        seq = Sequence(request.request_id, ids, sp, seed, mode, layers, detok, sink, arrival=0)
+        if sp.max_tokens == 0:
+            seq.finish_reason = FinishReason.LENGTH  # NOTE: prompt only: no token is sampled
+        return seq
+
+    def normalize_layer(self, k: int) -> int:
+        n = self.spec.num_layers
+        allowed = f"captured layers {list(self.captured_layers)} (or the same counted from the end)"
+        if not -(n + 1) <= k <= n:
+            raise RequestError("hidden_layers", f"layer {k} outside -{n + 1}..{n}; {allowed}")
+        k = self.spec.normalize_layer(k)
+        if k not in self.captured_layers:
+            raise RequestError("hidden_layers", f"layer {k} is not captured by this server; {allowed}")
+        return k
+
