@@ -134,6 +134,9 @@ def test_cancelled_stream_frees_everything_and_next_is_served(triton_server):
     first, error = s.queue.get(timeout=120)  # it is streaming
     assert error is None
     url = f"http://127.0.0.1:{triton_server.ports.metrics}/metrics"
+    deadline = time.time() + 5  # NOTE: the gauges are refreshed every 0.1 s
+    while metrics(url).get("llm_requests_running", 0) < 1 and time.time() < deadline:
+        time.sleep(0.02)
     assert metrics(url)["llm_requests_running"] >= 1
     t0 = time.time()
     s.close(cancel=True)
