@@ -61,7 +61,10 @@ def stopped_server(tmp_path_factory, smollm_dir):
 def test_streams_end_with_an_error_promptly(stopped_server):
     for got in stopped_server["ended"]:
         assert got.error is not None, "a stream ended without an error"
-        assert "shutting down" in got.error.message()
+        # NOTE: our UNAVAILABLE response, or (a race inside Triton) the gRPC endpoint closing
+        # the stream first; either way the client learns it at once, not at the exit timeout
+        message = got.error.message()
+        assert "shutting down" in message or "GOAWAY" in message or "Socket closed" in message
     assert stopped_server["error_after"] < 5.0
 
 
