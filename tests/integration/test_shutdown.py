@@ -40,6 +40,9 @@ def stopped_server(tmp_path_factory, smollm_dir):
         for s in streams:  # all are generating
             _, error = s.queue.get(timeout=120)
             assert error is None
+        # NOTE: the adapter counts a refused readiness probe as "stopping" only once the endpoint
+        # has answered it (every 0.5 s): give it that first answer, as any real server has
+        time.sleep(1.5)
         t0 = time.time()
         server.process.send_signal(15)
         ended = [s.read(timeout=30) for s in streams]
