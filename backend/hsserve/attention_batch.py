@@ -42,12 +42,10 @@ class AttentionBatch:
         return not self.spans and self.decode_rows is not None
 
 
-def visible_keys(
-    q_positions: torch.Tensor, ctx_len: int, window: int | None, width: int | None = None
-) -> torch.Tensor:
-    """[len(q), width] bool: key j visible to a query at position p iff j <= p (and p - j < window)."""
-    keys = torch.arange(width if width is not None else ctx_len, device=q_positions.device)
-    vis = (keys[None, :] <= q_positions[:, None]) & (keys[None, :] < ctx_len)
+def visible_keys(q_positions: torch.Tensor, ctx_len: int, window: int | None) -> torch.Tensor:
+    """[len(q), ctx_len] bool: key j visible to a query at position p iff j <= p (and p - j < window)."""
+    keys = torch.arange(ctx_len, device=q_positions.device)
+    vis = keys[None, :] <= q_positions[:, None]
     if window is not None:
         vis &= keys[None, :] > q_positions[:, None] - window
     return vis

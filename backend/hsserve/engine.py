@@ -234,8 +234,7 @@ class Engine:
         """Send what is ready: tokens (with their rows in full mode) and their text."""
         ready = seq.num_generated
         if seq.hidden_mode == HiddenStatesMode.FULL and not final:
-            with_rows = seq.num_rows_sent + sum(len(r) for r in seq.pending_rows)
-            ready = min(ready, with_rows - seq.num_prompt_tokens)
+            ready = min(ready, seq.num_rows_done - seq.num_prompt_tokens)
         new = ready - seq.num_tokens_sent
         if new <= 0 and not final:
             return

@@ -30,8 +30,7 @@ def rows_to_capture(chunk: Chunk) -> range:
     seq = chunk.seq
     if seq.hidden_mode == HiddenStatesMode.FULL:
         # NOTE: after a preemption, rows already produced are recomputed but not returned again.
-        done = seq.num_rows_sent + sum(len(r) for r in seq.pending_rows)
-        return range(max(chunk.start, done), chunk.end)
+        return range(max(chunk.start, seq.num_rows_done), chunk.end)
     if seq.hidden_mode == HiddenStatesMode.LAST and chunk.completes and seq.finish_reason:
         return range(chunk.end - 1, chunk.end)
     return range(0)

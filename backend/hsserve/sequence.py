@@ -72,5 +72,10 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     @property
+    def num_rows_done(self) -> int:
+        """Full mode: hidden rows produced so far (published + pending)."""
+        return self.num_rows_sent + sum(len(r) for r in self.pending_rows)
+
+    @property
     def wants_rows(self) -> bool:
         return self.hidden_mode != HiddenStatesMode.NONE
