@@ -31,9 +31,11 @@ class Span:
 class AttentionBatch:
     slot_mapping: torch.Tensor  # [tokens] where each new token's K/V is written
     decode_rows: torch.Tensor | None = None  # [B] rows of single-token sequences
-    # NOTE: padded with block 0; the mask hides every key past a sequence's length.
+    # NOTE: padded with block 0; the bias hides every key past a sequence's length.
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [B, max_blocks * block_size] True where visible
+    # [B, max_blocks * block_size] in the model dtype: 0 where visible, -inf elsewhere (an additive
+    # mask built once per step; a boolean one is converted again by every layer)
+    decode_bias: torch.Tensor | None = None
     spans: list[Span] = field(default_factory=list)
 
     @property

@@ -43,6 +43,7 @@ class Executor:
         self.block_size = block_size
         self.device = kv_cache.device
         self.window = model.spec.sliding_window
+        self.dtype = model.embed.dtype
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -72,7 +73,8 @@ class Executor:
             mask = keys[None, :] < lens[:, None]
             if self.window is not None:
                 mask &= keys[None, :] > q_pos[:, None] - self.window
-            batch.decode_mask = mask
+            bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev)
+            batch.decode_bias = bias.masked_fill_(~mask, float("-inf"))
         groups: list[tuple[int, int, list[list[int]], torch.Tensor | None]] = []
         for i, c in enumerate(chunks):
             if c.num_tokens == 1:

@@ -1,7 +1,7 @@
 """Torch reference for attention over the paged KV cache, and the KV write.
 
-KV layout (shared with the GPU kernels): per layer a tensor [num_blocks, block_size, kv_heads,
-head_dim]; token slot s lives at block s // block_size, offset s % block_size.
+KV layout (shared with the GPU kernels): per layer a tensor [2, num_blocks, block_size, kv_heads,
+head_dim] (keys, values); token slot s lives at block s // block_size, offset s % block_size.
 """
 
 from __future__ import annotations
@@ -12,18 +12,22 @@ import torch.nn.functional as F
 from hsserve.attention_batch import AttentionBatch
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """Store k/v [tokens, kv_heads, head_dim] at their slots."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store k/v [tokens, kv_heads, head_dim] at their slots of one layer's cache."""
+    kv[0].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    kv[1].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+def _gather(flat: torch.Tensor, index: torch.Tensor, half: int) -> torch.Tensor:
+    """Rows `index` of the keys then of the values, where flat = keys ++ values (`half` rows each).
+
+    NOTE: one index_select along dim 0 measured 2.6x faster than one along dim 1 of [2, ...]."""
+    return flat.index_select(0, torch.cat((index, index + half)))
 
 
 def paged_attention_ref(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: torch.Tensor,
     batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:
@@ -32,22 +36,21 @@ def paged_attention_ref(
     Single-token (decode) rows are attended together over a gathered, masked context; each
     multi-token span (prefill chunk) attends causally to its own context.
     """
-    kv_heads, head_dim = k_cache.shape[-2:]
-    k_flat = k_cache.view(-1, kv_heads, head_dim)
-    v_flat = v_cache.view(-1, kv_heads, head_dim)
+    kv_heads, head_dim = kv.shape[-2:]
     out = torch.empty_like(q)
     if batch.decode_rows is not None:
         n = len(batch.decode_rows)
-        # NOTE: gather whole blocks (contiguous); index_select measured 2.5x faster than [] here
-        tables = batch.decode_block_tables.view(-1)
-        k = k_cache.index_select(0, tables).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, tables).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        # NOTE: gather whole blocks of keys and values in one call; index_select measured 2.5x
+        # faster than [] here
+        gathered = _gather(kv.flatten(0, 1), batch.decode_block_tables.view(-1), kv.shape[1])
+        gathered = gathered.view(2, n, -1, kv_heads, head_dim).transpose(2, 3)
+        k, v = gathered[0], gathered[1]
         qd = q if batch.all_decode else q.index_select(0, batch.decode_rows)
         # NOTE: one query per sequence, so the heads sharing a KV head are folded into the
         # query axis ([B, kvh, group, d]): plain attention, no GQA expansion (faster on CPU)
         o = F.scaled_dot_product_attention(
             qd.view(n, kv_heads, -1, head_dim), k, v,
-            attn_mask=batch.decode_mask[:, None, None, :], scale=scale,
+            attn_mask=batch.decode_bias[:, None, None, :], scale=scale,
         ).reshape(n, -1, head_dim)
         if batch.all_decode:
             return o
@@ -56,9 +59,10 @@ def paged_attention_ref(
         g, n = span.num_seqs, span.num_rows
         end = span.row_start + g * n
         qs = q[span.row_start : end].view(g, n, -1, head_dim).transpose(1, 2)  # [g, h, n, d]
-        slots = span.slots.view(-1)
-        k = k_flat.index_select(0, slots).view(g, -1, kv_heads, head_dim).transpose(1, 2)
-        v = v_flat.index_select(0, slots).view(g, -1, kv_heads, head_dim).transpose(1, 2)
+        slots_per_half = kv.shape[1] * kv.shape[2]
+        gathered = _gather(kv.view(-1, kv_heads, head_dim), span.slots.view(-1), slots_per_half)
+        gathered = gathered.view(2, g, -1, kv_heads, head_dim).transpose(2, 3)
+        k, v = gathered[0], gathered[1]
         if span.mask is None:  # NOTE: whole prompts, no window: plain causal
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:

@@ -51,7 +51,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
 
-    def forward(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache):
+    def forward(self, x, cos, sin, batch: AttentionBatch, kv):
         qkv = self.qkv(x).view(len(x), -1, self.head_dim)
         h, kvh = self.num_heads, self.num_kv_heads
         if self.q_norm is not None:
@@ -60,8 +60,8 @@ class Attention(nn.Module):
         else:  # NOTE: q and k rotated in one pass
             q, k = apply_rotary(qkv[:, : h + kvh], cos, sin).split((h, kvh), dim=1)
         v = qkv[:, h + kvh :]
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        o = paged_attention_ref(q, k_cache, v_cache, batch, self.scale)
+        write_kv(kv, k, v, batch.slot_mapping)
+        o = paged_attention_ref(q, kv, batch, self.scale)
         return self.o_proj(o.reshape(len(x), -1))
 
 
@@ -84,8 +84,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, batch, k_cache, v_cache):
-        x = x + self.attn(self.input_norm(x), cos, sin, batch, k_cache, v_cache)
+    def forward(self, x, cos, sin, batch, kv):
+        x = x + self.attn(self.input_norm(x), cos, sin, batch, kv)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -120,7 +120,7 @@ class Decoder(nn.Module):
             capture.take(0, x)
         last = len(self.layers)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, kv_cache[i, 0], kv_cache[i, 1])
+            x = layer(x, cos, sin, batch, kv_cache[i])
             if capture is not None and i + 1 < last:
                 capture.take(i + 1, x)
         x = self.norm(x)
