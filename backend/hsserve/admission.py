@@ -12,7 +12,8 @@ from hsserve.config import EngineConfig
 from hsserve.detokenizer import IncrementalDetokenizer
 from hsserve.models.spec import ModelSpec
 from hsserve.request import FinishReason, GenerationRequest, HiddenStatesMode, RequestError
-from hsserve.sequence import Sequence
+from hsserve.sampler import sample_seed
+from hsserve.sequence import SampleGroup, Sequence
 
 
 class Admission:
@@ -28,6 +29,7 @@ class Admission:
         self.spec, self.tokenizer = spec, tokenizer
         self.max_model_len, self.max_prompt_tokens = max_model_len, max_prompt_tokens
         self.max_tokens_limit = config.max_tokens_limit
+        self.max_n = config.max_num_seqs
         self.ceiling = config.hidden_states_ceiling
         self.captured_layers = captured_layers
         self._rng = random.Random()  # NOTE: seeds for unseeded requests
@@ -47,8 +49,8 @@ class Admission:
             )
         return ids, "input_ids"
 
-    def make_sequence(self, request: GenerationRequest, sink) -> Sequence:
-        """Validate `request` (RequestError names the input) and build its Sequence."""
+    def make_sequences(self, request: GenerationRequest, sink) -> list[Sequence]:
+        """Validate `request` (RequestError names the input) and build its n Sequences."""
         ids, name = self.prompt_ids(request)
         sp = request.sampling
         if not ids:
@@ -57,7 +59,7 @@ class Admission:
             raise RequestError(
                 name, f"the prompt has {len(ids)} tokens; max_prompt_tokens is {self.max_prompt_tokens}"
             )
-        sp.validate(self.max_tokens_limit)
+        sp.validate(self.max_tokens_limit, self.max_n)
         if len(ids) + (1 if sp.max_tokens else 0) > self.max_model_len:
             raise RequestError(
                 name,
@@ -77,11 +79,14 @@ class Admission:
                 raise RequestError("hidden_layers", "empty; give at least one layer index")
             layers = tuple(self.normalize_layer(k) for k in request.hidden_layers)
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
-        seq = Sequence(request.request_id, ids, sp, seed, mode, layers, detok, sink, arrival=0)
-        if sp.max_tokens == 0:
-            seq.finish_reason = FinishReason.LENGTH  # NOTE: prompt only: no token is sampled
-        return seq
+        group = SampleGroup(sp.n)
+        for i in range(sp.n):
+            detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+            seq = Sequence(request.request_id, ids, sp, sample_seed(seed, i), mode, layers, detok,
+                           sink, arrival=0, group=group)
+            if sp.max_tokens == 0:
+                seq.finish_reason = FinishReason.LENGTH  # NOTE: prompt only: no token is sampled
+        return group.seqs
 
     def normalize_layer(self, k: int) -> int:
         n = self.spec.num_layers

@@ -30,7 +30,7 @@ def _generate(args) -> int:
         for delta in engine.submit(req):
             sys.stdout.write(delta.text)
             sys.stdout.flush()
-            if delta.finished:
+            if delta.request_done:
                 res = {"finish_reason": delta.finish_reason.value,
                        "num_output_tokens": delta.num_output_tokens}
                 print("\n" + json.dumps(res))

@@ -51,6 +51,12 @@ class EngineConfig:
         for name in ("max_model_len", "max_prompt_tokens", "num_kv_blocks", "num_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # NOTE: every running sequence's decode fits in one step's token budget
+            raise ConfigError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_num_seqs "
+                f"({self.max_num_seqs})"
+            )
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError("kv_cache_memory_fraction: must be in (0, 1]")
         if not 0 <= self.default_max_tokens <= self.max_tokens_limit:

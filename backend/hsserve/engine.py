@@ -20,7 +20,7 @@ from hsserve.executor import StepOutput
 from hsserve.request import Delta, FinishReason, GenerationRequest, HiddenStatesMode, RequestError
 from hsserve.request_stream import RequestStream
 from hsserve.scheduler import Chunk
-from hsserve.sequence import Sequence
+from hsserve.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Engine:
         self.config = config
         self._build = build
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._seqs: dict[str, Sequence] = {}  # NOTE: loop thread only
+        self._seqs: dict[str, list[Sequence]] = {}  # NOTE: loop thread only; request -> its n
         self._ids_lock = threading.Lock()
         self._active_ids: set[str] = set()
         self._arrivals = 0
@@ -77,19 +77,25 @@ class Engine:
         """Validate and enqueue; raises RequestError naming the bad input. Returns the sink."""
         if self._stopped or not self._started:
             raise RuntimeError("the engine is not running")
-        seq = self._admission.make_sequence(request, sink or RequestStream(request.request_id))
+        seqs = self._admission.make_sequences(request, sink or RequestStream(request.request_id))
         with self._ids_lock:
             if request.request_id in self._active_ids:
                 raise RequestError("request_id", f"{request.request_id!r} is already in flight")
             self._active_ids.add(request.request_id)
-            self._arrivals += 1
-            seq.arrival = self._arrivals
-        self._inbox.put(("add", seq))
-        return seq.sink
+            for seq in seqs:
+                self._arrivals += 1
+                seq.arrival = self._arrivals
+        self._inbox.put(("add", seqs))
+        return seqs[0].sink
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request; its sink gets a final delta with finish_reason 'cancelled'."""
+        """Cancel a request (all its completions); each gets a final delta with finish_reason
+        'cancelled'."""
         self._inbox.put(("abort", request_id))
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix block (blocks held by running requests stay held)."""
+        self._inbox.put(("clear_cache", None))
 
     def abort_all(self, message: str) -> None:
         """End every request in flight with an error delta carrying `message`."""
@@ -167,6 +173,8 @@ class Engine:
                 self._add(arg)
             elif kind == "abort":
                 self._abort(arg)
+            elif kind == "clear_cache":
+                self.pool.clear_cache()
             else:
                 self._fail_all(arg)
             try:
@@ -174,18 +182,19 @@ class Engine:
             except queue.Empty:
                 return True
 
-    def _add(self, seq: Sequence) -> None:
-        self._seqs[seq.request_id] = seq
-        if seq.finish_reason is not None and not seq.wants_rows:
-            self._finish(seq)  # NOTE: prompt only and no rows asked: nothing to compute
-        else:
-            self.scheduler.add(seq)
+    def _add(self, seqs: list[Sequence]) -> None:
+        self._seqs[seqs[0].request_id] = seqs
+        for seq in seqs:
+            if seq.finish_reason is not None and not seq.wants_rows:
+                self._finish(seq)  # NOTE: prompt only and no rows asked: nothing to compute
+            else:
+                self.scheduler.add(seq)
 
     def _abort(self, request_id: str) -> None:
-        seq = self._seqs.get(request_id)
-        if seq is not None:
-            seq.finish_reason = FinishReason.CANCELLED
-            self._finish(seq, publish_rest=False)
+        for seq in self._seqs.get(request_id, []):
+            if seq.status is not Status.FINISHED:
+                seq.finish_reason = FinishReason.CANCELLED
+                self._finish(seq, publish_rest=False)
 
     def _step(self) -> None:
         chunks = self.scheduler.schedule()
@@ -201,6 +210,7 @@ class Engine:
         for i, c in enumerate(chunks):
             seq = c.seq
             seq.num_computed = c.end
+            self.scheduler.cache_computed(seq)
             rows = out.rows[i]
             if rows is not None:
                 if seq.hidden_mode == HiddenStatesMode.FULL:
@@ -261,6 +271,8 @@ class Engine:
             finish_reason=seq.finish_reason if final else None,
             num_input_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_generated,
+            sequence_index=seq.index,
+            request_done=final and seq.group.done,
         )
         self._send(seq, delta)
 
@@ -274,9 +286,11 @@ class Engine:
         """Free the sequence's blocks and send its final delta (the rest of its output, or
         nothing more when cancelled or failed)."""
         self.scheduler.finish(seq)
-        self._seqs.pop(seq.request_id, None)
-        with self._ids_lock:
-            self._active_ids.discard(seq.request_id)
+        seq.group.num_finished += 1
+        if seq.group.done:
+            self._seqs.pop(seq.request_id, None)
+            with self._ids_lock:
+                self._active_ids.discard(seq.request_id)
         if publish_rest:
             self._publish(seq, final=True)
             return
@@ -288,10 +302,14 @@ class Engine:
             num_input_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_tokens_sent,
             error=error,
+            sequence_index=seq.index,
+            request_done=seq.group.done,
         )
         self._send(seq, final)
 
     def _fail_all(self, message: str) -> None:
-        for seq in list(self._seqs.values()):
-            seq.finish_reason = FinishReason.ERROR
-            self._finish(seq, publish_rest=False, error=message)
+        for seqs in list(self._seqs.values()):
+            for seq in seqs:
+                if seq.status is not Status.FINISHED:
+                    seq.finish_reason = FinishReason.ERROR
+                    self._finish(seq, publish_rest=False, error=message)

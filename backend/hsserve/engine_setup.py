@@ -100,7 +100,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         spec.num_layers, 2, blocks, bs, spec.num_kv_heads, spec.head_dim,
         dtype=model.embed.dtype, device=device,
     )
-    pool = BlockPool(blocks, bs)
+    pool = BlockPool(blocks, bs, enable_caching=config.enable_prefix_caching)
     log.info("model %s on %s (%s): %d KV blocks of %d tokens", folder, device, model.embed.dtype, blocks, bs)
     return EngineParts(
         spec=spec,

@@ -62,7 +62,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    def validate(self, max_tokens_limit: int) -> None:
+    def validate(self, max_tokens_limit: int, max_n: int = 1) -> None:
         if not 0 <= self.max_tokens <= max_tokens_limit:
             raise RequestError(
                 "max_tokens", f"{self.max_tokens} is outside the allowed range 0..{max_tokens_limit}"
@@ -77,8 +77,8 @@ class SamplingParams:
             raise RequestError("seed", f"{self.seed} must be in 0..2**64-1")
         if any(not s for s in self.stop):
             raise RequestError("stop", "stop strings must be non-empty")
-        if self.n != 1:
-            raise RequestError("n", f"{self.n} is not supported yet; allowed: 1")
+        if not 1 <= self.n <= max_n:
+            raise RequestError("n", f"{self.n} is outside the allowed range 1..{max_n}")
 
 
 @dataclass
@@ -111,14 +111,16 @@ class Delta:
     num_output_tokens: int = 0
     error: str | None = None
     sequence_index: int = 0
+    request_done: bool = False  # the last delta of the request (of all its n completions)
 
     @property
     def finished(self) -> bool:
+        """The last delta of this completion (sequence_index)."""
         return self.finish_reason is not None
 
     @classmethod
     def merge(cls, deltas: list[Delta]) -> Delta:
-        """Consecutive deltas of one request as one (their tokens, text and rows joined)."""
+        """Consecutive deltas of one completion as one (their tokens, text and rows joined)."""
         if len(deltas) == 1:
             return deltas[0]
         rows = [d.hidden for d in deltas if d.hidden is not None]
@@ -133,4 +135,5 @@ class Delta:
             num_output_tokens=last.num_output_tokens,
             error=last.error,
             sequence_index=last.sequence_index,
+            request_done=last.request_done,
         )

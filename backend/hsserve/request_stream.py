@@ -21,6 +21,7 @@ class Result:
     num_output_tokens: int
     error: str | None
     num_deltas: int
+    sequence_index: int = 0
 
 
 class RequestStream:
@@ -34,25 +35,42 @@ class RequestStream:
         self._queue.put(delta)
 
     def __iter__(self):
+        """Deltas as they come (the n completions of a request interleaved) until the last."""
         while True:
             delta = self._queue.get()
             yield delta
-            if delta.finished:
+            if delta.request_done:
                 return
 
+    def results(self, timeout: float | None = None) -> list[Result]:
+        """Every completion's collected result, by sequence_index."""
+        by_index: dict[int, list[Delta]] = {}
+        while True:
+            delta = self._queue.get(timeout=timeout)
+            by_index.setdefault(delta.sequence_index, []).append(delta)
+            if delta.request_done:
+                break
+        return [_collect(self.request_id, by_index[i]) for i in sorted(by_index)]
+
     def result(self, timeout: float | None = None) -> Result:
-        deltas = []
-        while not deltas or not deltas[-1].finished:
-            deltas.append(self._queue.get(timeout=timeout))
-        d = Delta.merge(deltas)
-        return Result(
-            request_id=self.request_id,
-            token_ids=d.token_ids,
-            text=d.text,
-            hidden=d.hidden,
-            finish_reason=d.finish_reason,
-            num_input_tokens=d.num_input_tokens,
-            num_output_tokens=d.num_output_tokens,
-            error=d.error,
-            num_deltas=len(deltas),
-        )
+        """The collected result of a request with one completion (n = 1)."""
+        results = self.results(timeout)
+        if len(results) != 1:
+            raise ValueError(f"{len(results)} completions; use results()")
+        return results[0]
+
+
+def _collect(request_id: str, deltas: list[Delta]) -> Result:
+    d = Delta.merge(deltas)
+    return Result(
+        request_id=request_id,
+        token_ids=d.token_ids,
+        text=d.text,
+        hidden=d.hidden,
+        finish_reason=d.finish_reason,
+        num_input_tokens=d.num_input_tokens,
+        num_output_tokens=d.num_output_tokens,
+        error=d.error,
+        num_deltas=len(deltas),
+        sequence_index=d.sequence_index,
+    )

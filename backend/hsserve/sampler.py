@@ -27,6 +27,16 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """Seed of completion `index` of a request: the request's own for 0, distinct ones after."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return x ^ (x >> 31)
+
+
 def as_int64(seed: int) -> int:
     return seed - (1 << 64) if seed >= (1 << 63) else seed
 

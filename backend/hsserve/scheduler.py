@@ -1,8 +1,9 @@
 """Scheduler: continuous batching policy. Who runs this step, with how many tokens.
 
 Every step: running sequences decode one token each (oldest first; the newest is preempted and
-recomputed later when the pool runs dry), then waiting sequences are admitted while there is
-room in the batch, the token budget and the KV pool.
+recomputed later when the pool runs dry), prompts in progress take their next chunk, then waiting
+sequences are admitted (starting from their longest cached prefix) while there is room in the
+batch, the token budget and the KV pool.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hsserve.block_pool import BlockPool
+from hsserve.block_pool import BlockPool, chain_hash
+from hsserve.request import HiddenStatesMode
 from hsserve.sequence import Sequence, Status
 
 
@@ -55,29 +57,92 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         chunks: list[Chunk] = []
         budget = self.max_num_batched_tokens
-        # NOTE: oldest first; a victim is always the newest, so never one already scheduled.
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
-            if not self._reserve(seq):
-                continue
-            chunks.append(Chunk(seq, seq.num_computed, seq.num_uncomputed))
-            budget -= seq.num_uncomputed
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = seq.num_uncomputed
-            if n > budget and chunks:  # NOTE: a prompt over the budget runs alone, never starves
+        running = sorted(self.running, key=lambda s: s.arrival)
+        # NOTE: decodes first, oldest first; a victim is always the newest running sequence,
+        # so never one already scheduled.
+        for seq in running:
+            if seq.status is Status.RUNNING and seq.num_uncomputed == 1 and budget:
+                if self._reserve(seq):
+                    chunks.append(Chunk(seq, seq.num_computed, 1))
+                    budget -= 1
+        # NOTE: then prompts already started, then new ones: each gets what the budget leaves,
+        # so a long prompt is split into chunks and never stalls the decodes above.
+        for seq in running:
+            if seq.status is Status.RUNNING and seq.num_uncomputed > 1 and budget:
+                n = min(seq.num_uncomputed, budget)
+                chunks.append(Chunk(seq, seq.num_computed, n))
+                budget -= n
+        for seq in list(self.waiting):
+            if not budget or len(self.running) >= self.max_num_seqs:
                 break
-            need = self.pool.blocks_for(seq.num_tokens) - len(seq.block_table)
-            if not self.pool.can_allocate(need):
+            if not self._may_start(seq):
+                continue
+            if not self._admit(seq):
                 break
-            self.waiting.popleft()
-            seq.block_table += self.pool.allocate(need)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
+
+    def _reuses_cache(self, seq: Sequence) -> bool:
+        # NOTE: full mode needs every prompt row, so its prompt is computed whatever is cached
+        return self.pool.enable_caching and seq.hidden_mode != HiddenStatesMode.FULL
+
+    def _may_start(self, seq: Sequence) -> bool:
+        """A sibling sample waits until its leader's prompt is cached, then shares those blocks."""
+        lead = seq.group.leader
+        return (
+            seq is lead
+            or not self._reuses_cache(seq)
+            or lead.status is Status.FINISHED
+            or lead.num_computed >= lead.num_prompt_tokens
+        )
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give a waiting sequence its cached prefix and fresh blocks for the rest, if they fit."""
+        bs = self.pool.block_size
+        fresh = seq.num_cached_tokens is None  # NOTE: first admission, not a recompute
+        hits: list[int] = []
+        if self._reuses_cache(seq):
+            # NOTE: the last token is always computed: it gives the logits (and the last row),
+            # and a shared block is never written.
+            usable = (seq.num_tokens - 1) // bs
+            self._hash_blocks(seq, usable)
+            hits = self.pool.match(seq.block_hashes[:usable])
+        need = self.pool.blocks_for(seq.num_tokens) - len(hits)
+        if need > self.pool.num_free - self.pool.num_free_among(hits):
+            return False
+        self.pool.acquire(hits)
+        seq.block_table = hits + self.pool.allocate(need)
+        seq.num_computed = seq.num_registered = len(hits) * bs
+        if fresh:
+            seq.num_cached_tokens = len(hits) * bs
+            self.pool.num_query_tokens += seq.num_prompt_tokens
+            self.pool.num_hit_tokens += len(hits) * bs
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        bs = self.pool.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Index seq's blocks that became full and computed (prompt and generated alike)."""
+        if not self.pool.enable_caching or seq.status is not Status.RUNNING:
+            return
+        bs = self.pool.block_size
+        full = seq.num_computed // bs
+        if full * bs <= seq.num_registered:
+            return
+        self._hash_blocks(seq, full)
+        for i in range(seq.num_registered // bs, full):
+            self.pool.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered = full * bs
 
     def _reserve(self, seq: Sequence) -> bool:
         """Make sure seq has blocks for all its tokens, preempting newer sequences if needed."""
@@ -93,10 +158,11 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Drop seq's KV; it goes back to the front of the queue and is recomputed later."""
+        """Drop seq's KV; it goes back to the front of the queue and is recomputed later (its
+        cached blocks stay indexed, so the recompute may start from them)."""
         self.pool.free(seq.block_table)
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
         self.running.remove(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

@@ -17,6 +17,23 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class SampleGroup:
+    """The n completions of one request (n = 1 for most): one sink, done when all have finished."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.seqs: list[Sequence] = []
+        self.num_finished = 0
+
+    @property
+    def leader(self) -> Sequence:
+        return self.seqs[0]
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == self.n
+
+
 class Sequence:
     def __init__(
         self,
@@ -29,8 +46,12 @@ class Sequence:
         detokenizer: IncrementalDetokenizer,
         sink,
         arrival: int,
+        group: SampleGroup | None = None,
     ):
         self.request_id = request_id
+        self.group = group or SampleGroup(1)
+        self.index = len(self.group.seqs)  # sequence_index of this completion
+        self.group.seqs.append(self)
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.sampling = sampling
@@ -44,6 +65,9 @@ class Sequence:
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V is in the cache
+        self.block_hashes: list[bytes] = []  # chain hashes of full blocks of token_ids
+        self.num_registered = 0  # tokens whose blocks are indexed in the prefix cache
+        self.num_cached_tokens: int | None = None  # prompt tokens found cached at admission
         # NOTE: finish_reason set while status is RUNNING means "decided, but the last token's
         # hidden row is still to be computed" (one more forward without sampling).
         self.finish_reason: FinishReason | None = None

@@ -38,7 +38,8 @@ _HIDDEN_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_
 class _Inflight:
     sender: object
     stream: bool
-    deltas: list[Delta] = field(default_factory=list)  # non-streaming: gathered until final
+    # non-streaming: each completion's deltas, gathered until it finishes
+    deltas: dict[int, list[Delta]] = field(default_factory=dict)
     next_cancel_check: float = 0.0
 
 
@@ -144,35 +145,37 @@ class TritonPythonModel:
                     batch.append(self._outbox.get_nowait())
                 except queue.Empty:
                     break
-            by_request: dict[str, list[Delta]] = {}
+            by_completion: dict[tuple[str, int], list[Delta]] = {}
             stop = False
             for d in batch:
                 if d is _STOP:
                     stop = True
                 else:
-                    by_request.setdefault(d.request_id, []).append(d)
-            for rid, deltas in by_request.items():
+                    by_completion.setdefault((d.request_id, d.sequence_index), []).append(d)
+            for (rid, _), deltas in by_completion.items():
                 self._deliver(rid, Delta.merge(deltas))
             if stop:
                 return
 
     def _deliver(self, rid: str, delta: Delta) -> None:
+        # NOTE: a cancelled or failed completion ends the whole request with one error response
+        failed = delta.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR)
         with self._lock:
             state = self._inflight.get(rid)
-            if state is not None and delta.finished:
+            if state is not None and (delta.request_done or failed):
                 del self._inflight[rid]
         if state is None:
             return
-        if not state.stream:
-            state.deltas.append(delta)
+        if not state.stream and not failed:
+            state.deltas.setdefault(delta.sequence_index, []).append(delta)
             if not delta.finished:
                 return
-            delta = Delta.merge(state.deltas)
+            delta = Delta.merge(state.deltas.pop(delta.sequence_index))
         try:
             self._send(state, delta)
         except Exception as e:  # noqa: BLE001 - a vanished client must not stop the sender
             self.logger.log_warn(f"hsserve: send failed for {rid}: {e}")
-            if not delta.finished:
+            if not delta.request_done:
                 self.engine.abort(rid)
                 self._forget(rid)
 
@@ -201,7 +204,7 @@ class TritonPythonModel:
                 _tensor("num_output_tokens", torch.tensor([delta.num_output_tokens], dtype=torch.uint32)),
             ]
         state.sender.send(pb_utils.InferenceResponse(output_tensors=outputs),
-                          flags=final if delta.finished else 0)
+                          flags=final if delta.request_done else 0)
 
     # ---- cancellation watcher -----------------------------------------------------------------
 

@@ -12,7 +12,8 @@ import json
 import numpy as np
 import torch
 
-from hsserve.triton_io import INPUTS, OUTPUTS
+from hsserve.request import RequestError
+from hsserve.triton_io import INPUTS, OUTPUTS, parse_request
 
 pb_utils = None  # NOTE: bound in initialize()
 _TARGET = "llm"
@@ -44,8 +45,18 @@ class TritonPythonModel:
         return [self._forward(r) for r in requests]
 
     def _forward(self, request):
-        inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in INPUTS)
-                  if t is not None and t.name() != "stream"]
+        given = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in INPUTS) if t is not None]
+        try:
+            n = parse_request("sync", {t.name(): t.as_numpy() for t in given}, request.parameters(),
+                              0).request.sampling.n
+        except RequestError:
+            n = 1  # NOTE: llm answers the bad input itself, naming it
+        if n != 1:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"n: {n}; this unary model answers with one completion (n = 1); send n > 1 to "
+                f"the decoupled {self.target} model, whose responses carry sequence_index",
+                pb_utils.TritonError.INVALID_ARG))
+        inputs = [t for t in given if t.name() != "stream"]
         inputs.append(pb_utils.Tensor("stream", np.array([False])))
         bls = pb_utils.InferenceRequest(
             model_name=self.target,

@@ -48,35 +48,60 @@ def test_200_mixed_requests_with_aborts_free_every_block(tiny_model_dir):
     while (engine.num_running or engine.num_waiting) and time.time() < deadline:
         time.sleep(0.01)
     assert engine.num_running == 0 and engine.num_waiting == 0
+    # every block not indexed by the prefix cache is free; indexed ones are free too (revivable)
     assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.pool.num_cached > 0
     engine.pool.check_invariants()
     assert engine.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
+    engine.clear_prefix_cache()
+    deadline = time.time() + 5
+    while engine.pool.num_cached and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.pool.num_cached == 0 and engine.pool.num_free == engine.pool.num_blocks
+    engine.pool.check_invariants()
     engine.shutdown()
     assert not any(t.name == engine.thread_name for t in threading.enumerate())
 
 
-def test_preempted_requests_equal_unconstrained(tiny_model_dir):
+def test_200_requests_on_a_tiny_pool_equal_unconstrained(tiny_model_dir):
+    """Issue 5 acceptance 3: preemption (recompute) under a pool far smaller than the demand,
+    with shared prefixes, chunked prompts and n = 2, changes no token and no row."""
     folder = tiny_model_dir("qwen3")
-    prompts = [[5 + i] * (10 + 3 * i) for i in range(12)]
-    def run(blocks):
+    rng = random.Random(3)
+    prefix = [rng.randint(10, 40000) for _ in range(12)]
+    reqs = []
+    for i in range(200):
+        body = [rng.randint(10, 40000) for _ in range(rng.randint(1, 30))]
+        mode = [HiddenStatesMode.FULL, HiddenStatesMode.LAST, HiddenStatesMode.NONE][i % 3]
+        sp = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.7, seed=i,
+                            ignore_eos=True, n=2 if i % 10 == 0 else 1)
+        reqs.append((prefix + body if i % 2 else body, sp, mode))
+
+    def run(blocks, budget):
         engine = Engine(EngineConfig(model=folder, device="cpu", block_size=4, num_kv_blocks=blocks,
-                                     max_model_len=128)).start()
+                                     max_num_batched_tokens=budget, max_model_len=128)).start()
         try:
-            streams = [engine.submit(GenerationRequest(
-                f"p{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=30, temperature=0.7,
-                                                               seed=i, ignore_eos=True),
-                hidden_mode=HiddenStatesMode.FULL, hidden_layers=(-1,)))
-                for i, p in enumerate(prompts)]
-            return [s.result(timeout=300) for s in streams], engine.scheduler.num_preemptions
+            streams = [engine.submit(GenerationRequest(f"p{i}", prompt_ids=p, sampling=sp,
+                                                       hidden_mode=mode, hidden_layers=(-1,)))
+                       for i, (p, sp, mode) in enumerate(reqs)]
+            results = [s.results(timeout=600) for s in streams]
+            assert engine.pool.num_used == 0
+            engine.pool.check_invariants()
+            return results, engine.scheduler.num_preemptions
         finally:
             engine.shutdown()
-    small, preemptions = run(40)
-    big, _ = run(0)
+
+    small, preemptions = run(24, 64)  # 96 token slots for 200 requests of up to 66 tokens
+    big, _ = run(0, 4096)
     assert preemptions > 0
-    for a, b in zip(small, big):
-        assert a.token_ids == b.token_ids
-        assert a.hidden.shape == (len(a.token_ids) + a.num_input_tokens, 64)
-        assert torch.allclose(a.hidden, b.hidden, rtol=0, atol=1e-4)
+    for (prompt, sp, mode), a, b in zip(reqs, small, big):
+        assert len(a) == len(b) == sp.n
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids and len(x.token_ids) == sp.max_tokens
+            if mode == HiddenStatesMode.FULL:
+                assert x.hidden.shape == (len(prompt) + sp.max_tokens, 64)
+            if mode != HiddenStatesMode.NONE:
+                assert torch.allclose(x.hidden, y.hidden, rtol=0, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

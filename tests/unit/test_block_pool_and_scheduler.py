@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hsserve.block_pool import BlockPool
+from hsserve.block_pool import BlockPool, chain_hash
 from hsserve.request import HiddenStatesMode, SamplingParams
 from hsserve.scheduler import Scheduler
 from hsserve.sequence import Sequence, Status
@@ -64,11 +64,86 @@ def test_scheduler_preempts_newest_when_pool_runs_dry():
     pool.check_invariants()
 
 
-def test_long_prompt_runs_alone_instead_of_starving():
+def run_step(chunks, token=7):
+    """Pretend the step ran: K/V computed, one token sampled where the chunk completes."""
+    for ch in chunks:
+        ch.seq.num_computed = ch.end
+        if ch.completes:
+            ch.seq.token_ids.append(token)
+
+
+def test_long_prompt_is_chunked_and_never_stalls_decodes():
     pool = BlockPool(100, 4)
     s = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=16)
-    big, small = seq(1, 40), seq(2, 4)
+    old, big, small = seq(1, 5), seq(2, 40), seq(3, 4)
+    s.add(old)
+    run_step(s.schedule())
     s.add(big)
     s.add(small)
+    steps = []
+    for _ in range(4):
+        chunks = s.schedule()
+        steps.append([(ch.seq, ch.start, ch.num_tokens) for ch in chunks])
+        run_step(chunks)
+    assert steps[0] == [(old, 5, 1), (big, 0, 15)]
+    assert steps[1] == [(old, 6, 1), (big, 15, 15)]
+    assert steps[2] == [(old, 7, 1), (big, 30, 10), (small, 0, 4)]
+    assert steps[3] == [(old, 8, 1), (big, 40, 1), (small, 4, 1)]
+
+
+def test_pool_prefix_index_revives_evicts_lru_and_clears():
+    pool = BlockPool(4, 4)
+    h = [chain_hash(b"", [1, 2, 3, 4])]
+    h.append(chain_hash(h[0], [5, 6, 7, 8]))
+    assert chain_hash(b"", [1, 2, 3, 5]) != h[0] and chain_hash(h[1], [1, 2, 3, 4]) != h[0]
+    a = pool.allocate(2)
+    pool.register(a[0], h[0])
+    pool.register(a[1], h[1])
+    assert pool.match(h) == a and pool.num_cached == 2
+    pool.free(a)  # free but still indexed
+    assert pool.num_free == 4 and pool.match(h) == a
+    pool.acquire(pool.match(h[:1]))  # a hit revives the block
+    assert pool.num_free == 3
+    pool.free(a[:1])
+    # LRU: the never-used blocks go first, then a[1] (freed before a[0] was freed again)
+    got = pool.allocate(3)
+    assert a[0] not in got and a[1] in got
+    assert pool.match(h) == [a[0]] and pool.num_evictions == 1
+    pool.check_invariants()
+    pool.free(got)
+    pool.clear_cache()
+    assert pool.match(h) == [] and pool.num_free == 4 and pool.num_cached == 0
+    pool.check_invariants()
+
+
+def test_scheduler_starts_from_the_cached_prefix_but_computes_the_last_token():
+    pool = BlockPool(20, 4)
+    s = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    first = seq(1, 12)
+    s.add(first)
+    run_step(s.schedule())
+    s.cache_computed(first)
+    s.finish(first)
+    again, longer = seq(2, 12), seq(3, 14)  # same 12 tokens (a complete hit); 12 + 2 more
+    s.add(again)
+    s.add(longer)
     chunks = s.schedule()
-    assert [ch.seq for ch in chunks] == [big]
+    # the complete hit reuses 2 of 3 blocks (its last token is computed); `longer` all 3
+    assert [(ch.seq, ch.start, ch.num_tokens) for ch in chunks] == [(again, 8, 4), (longer, 12, 2)]
+    assert again.block_table[:2] == longer.block_table[:2]
+    assert pool.num_hit_tokens == 8 + 12 and pool.num_query_tokens == 12 + 12 + 14
+    pool.check_invariants()
+
+
+def test_full_mode_and_disabled_cache_compute_every_token():
+    for enable, mode in ((False, HiddenStatesMode.NONE), (True, HiddenStatesMode.FULL)):
+        pool = BlockPool(20, 4, enable_caching=enable)
+        s = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+        a = seq(1, 12)
+        s.add(a)
+        run_step(s.schedule())
+        s.cache_computed(a)
+        b = seq(2, 12)
+        b.hidden_mode = mode
+        s.add(b)
+        assert [(ch.start, ch.num_tokens) for ch in s.schedule()] == [(12, 1), (0, 12)]
