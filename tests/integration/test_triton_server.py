@@ -160,6 +160,8 @@ ERRORS = [
     ("llm", dict(text_input="x", sampling_parameters="{not json"), "sampling_parameters"),
     ("llm", dict(text_input="x", sampling_parameters='{"tempreature": 1}'), "sampling_parameters"),
     ("llm", dict(text_input="x", top_p=0.0), "top_p"),
+    ("llm", dict(text_input="x", n=0), "n"),
+    ("llm_sync", dict(text_input="x", n=2), "n"),
 ]
 
 
@@ -222,3 +224,46 @@ def test_hidden_states_in_the_declared_dtype(triton_server):
     fp32, bf16 = rows["llm"][1], rows["llm_capped"][1].astype(np.float32)
     expected = torch.from_numpy(fp32).to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(bf16, expected)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_n_completions_tagged_by_sequence_index(triton_server, smollm_engine, stream):
+    fields = dict(text_input=PROMPT, max_tokens=6, temperature=0.9, seed=5, n=3, MODE="last",
+                  ignore_eos=True)
+    req = GenerationRequest(f"ref-n-{stream}", prompt=PROMPT, sampling=SamplingParams(
+        max_tokens=6, temperature=0.9, seed=5, n=3, ignore_eos=True),
+        hidden_mode=HiddenStatesMode.LAST, hidden_layers=(-1,))
+    want = smollm_engine.submit(req).results(timeout=300)
+    got = stream_once(triton_server.grpc_url, {**fields, "stream": stream})
+    assert got.error is None
+    by_index: dict[int, list] = {}
+    for r in got.responses:
+        by_index.setdefault(int(r["sequence_index"][0]), []).append(r)
+    assert sorted(by_index) == [0, 1, 2]
+    if not stream:
+        assert all(len(rs) == 1 for rs in by_index.values())  # one response per completion
+    for i, w in enumerate(want):
+        rs = by_index[i]
+        ids = np.concatenate([r["output_ids"] for r in rs]).tolist()
+        assert ids == w.token_ids
+        assert rs[-1]["finish_reason"][0].decode() == "length"
+        rows = [r["HIDDEN_STATES"] for r in rs if r["HIDDEN_STATES"] is not None]
+        assert len(rows) == 1 and np.allclose(rows[0].astype(np.float32), w.hidden.numpy(), atol=1e-3)
+    assert len({tuple(w.token_ids) for w in want}) > 1
+
+
+def test_prefix_cache_counters_advance_on_a_repeated_prompt(triton_server):
+    url = f"http://127.0.0.1:{triton_server.ports.metrics}/metrics"
+    before = metrics(url).get("llm_prefix_cache_hits_total", 0.0)
+    fields = dict(text_input="A long shared system prompt. " * 8 + "Hi", max_tokens=2, temperature=0.0)
+    first = stream_once(triton_server.grpc_url, fields)
+    second = stream_once(triton_server.grpc_url, fields)
+    assert first.error is None and second.error is None
+    assert first.cat("output_ids").tolist() == second.cat("output_ids").tolist()
+    deadline = time.time() + 5
+    while metrics(url).get("llm_prefix_cache_hits_total", 0.0) <= before and time.time() < deadline:
+        time.sleep(0.1)
+    m = metrics(url)
+    assert m["llm_prefix_cache_hits_total"] >= before + 16, m
+    assert m["llm_prefix_cache_queries_total"] >= m["llm_prefix_cache_hits_total"]
+    assert m["llm_kv_blocks_cached"] >= 1
