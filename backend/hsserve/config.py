@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    load_format: str = "auto"  # auto: the folder's safetensors; dummy: random weights (benchmarks)
     device: str = "auto"  # auto = cuda when available, else cpu
     hidden_states_ceiling: HiddenStatesMode = HiddenStatesMode.FULL
     # NOTE: None = every layer 0..L; else HF hidden_states indices (negative from the end).
@@ -43,6 +44,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} not in {_DTYPES}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format: {self.load_format!r}; allowed: auto, dummy")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ConfigError(f"device: {self.device!r}; allowed: auto, cpu, cuda[:N]")
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_tokens_limit"):

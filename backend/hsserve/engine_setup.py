@@ -85,7 +85,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if device.type == "cpu" and config.num_threads:
         torch.set_num_threads(config.num_threads)
     folder = model_folder(config)
-    model = load_model(folder, config.dtype, device)
+    model = load_model(folder, config.dtype, device, config.load_format)
     spec = model.spec
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     bs = config.block_size

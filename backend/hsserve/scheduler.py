@@ -46,6 +46,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # NOTE: prefix blocks being computed now, by whom: a prompt with the same prefix waits
+        # for them instead of computing them a second time (a burst sharing a system prompt;
+        # the n completions of one request).
+        self._computing: dict[bytes, Sequence] = {}
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -75,7 +79,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if not budget or len(self.running) >= self.max_num_seqs:
                 break
-            if not self._may_start(seq):
+            if self._prefix_in_flight(seq):
                 continue
             if not self._admit(seq):
                 break
@@ -88,33 +92,35 @@ class Scheduler:
         # NOTE: full mode needs every prompt row, so its prompt is computed whatever is cached
         return self.pool.enable_caching and seq.hidden_mode != HiddenStatesMode.FULL
 
-    def _may_start(self, seq: Sequence) -> bool:
-        """A sibling sample waits until its leader's prompt is cached, then shares those blocks."""
-        lead = seq.group.leader
-        return (
-            seq is lead
-            or not self._reuses_cache(seq)
-            or lead.status is Status.FINISHED
-            or lead.num_computed >= lead.num_prompt_tokens
-        )
+    def _usable_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the blocks seq may take from the cache. NOTE: the last token is always
+        computed: it gives the logits (and the last row), and a shared block is never written."""
+        if not self._reuses_cache(seq):
+            return []
+        usable = (seq.num_tokens - 1) // self.pool.block_size
+        self._hash_blocks(seq, usable)
+        return seq.block_hashes[:usable]
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """True when the first block seq misses in the cache is being computed by another."""
+        hashes = self._usable_hashes(seq)
+        k = len(self.pool.match(hashes))
+        return k < len(hashes) and self._computing.get(hashes[k], seq) is not seq
 
     def _admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence its cached prefix and fresh blocks for the rest, if they fit."""
         bs = self.pool.block_size
         fresh = seq.num_cached_tokens is None  # NOTE: first admission, not a recompute
-        hits: list[int] = []
-        if self._reuses_cache(seq):
-            # NOTE: the last token is always computed: it gives the logits (and the last row),
-            # and a shared block is never written.
-            usable = (seq.num_tokens - 1) // bs
-            self._hash_blocks(seq, usable)
-            hits = self.pool.match(seq.block_hashes[:usable])
+        hashes = self._usable_hashes(seq)
+        hits = self.pool.match(hashes)
         need = self.pool.blocks_for(seq.num_tokens) - len(hits)
         if need > self.pool.num_free - self.pool.num_free_among(hits):
             return False
         self.pool.acquire(hits)
         seq.block_table = hits + self.pool.allocate(need)
         seq.num_computed = seq.num_registered = len(hits) * bs
+        for h in hashes[len(hits) :]:
+            self._computing.setdefault(h, seq)
         if fresh:
             seq.num_cached_tokens = len(hits) * bs
             self.pool.num_query_tokens += seq.num_prompt_tokens
@@ -142,7 +148,14 @@ class Scheduler:
         self._hash_blocks(seq, full)
         for i in range(seq.num_registered // bs, full):
             self.pool.register(seq.block_table[i], seq.block_hashes[i])
+            if self._computing.get(seq.block_hashes[i]) is seq:
+                del self._computing[seq.block_hashes[i]]
         seq.num_registered = full * bs
+
+    def _forget_computing(self, seq: Sequence) -> None:
+        for h in seq.block_hashes:
+            if self._computing.get(h) is seq:
+                del self._computing[h]
 
     def _reserve(self, seq: Sequence) -> bool:
         """Make sure seq has blocks for all its tokens, preempting newer sequences if needed."""
@@ -161,6 +174,7 @@ class Scheduler:
         """Drop seq's KV; it goes back to the front of the queue and is recomputed later (its
         cached blocks stay indexed, so the recompute may start from them)."""
         self.pool.free(seq.block_table)
+        self._forget_computing(seq)
         seq.block_table = []
         seq.num_computed = seq.num_registered = 0
         self.running.remove(seq)
@@ -174,5 +188,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.pool.free(seq.block_table)
+        self._forget_computing(seq)
         seq.block_table = []
         seq.status = Status.FINISHED

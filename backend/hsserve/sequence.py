@@ -26,10 +26,6 @@ class SampleGroup:
         self.num_finished = 0
 
     @property
-    def leader(self) -> Sequence:
-        return self.seqs[0]
-
-    @property
     def done(self) -> bool:
         return self.num_finished == self.n
 

@@ -10,9 +10,11 @@ from hsserve.scheduler import Scheduler
 from hsserve.sequence import Sequence, Status
 
 
-def seq(i: int, n: int) -> Sequence:
-    return Sequence(f"s{i}", list(range(n)), SamplingParams(), 0, HiddenStatesMode.NONE, (), None,
-                    None, arrival=i)
+def seq(i: int, n: int, first_token: int | None = None) -> Sequence:
+    """A fake sequence; prompts of different i share no prefix unless first_token is given."""
+    start = 100 * i if first_token is None else first_token
+    return Sequence(f"s{i}", list(range(start, start + n)), SamplingParams(), 0,
+                    HiddenStatesMode.NONE, (), None, None, arrival=i)
 
 
 def test_pool_allocate_free_and_invariants():
@@ -119,12 +121,12 @@ def test_pool_prefix_index_revives_evicts_lru_and_clears():
 def test_scheduler_starts_from_the_cached_prefix_but_computes_the_last_token():
     pool = BlockPool(20, 4)
     s = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
-    first = seq(1, 12)
+    first = seq(1, 12, first_token=0)
     s.add(first)
     run_step(s.schedule())
     s.cache_computed(first)
     s.finish(first)
-    again, longer = seq(2, 12), seq(3, 14)  # same 12 tokens (a complete hit); 12 + 2 more
+    again, longer = seq(2, 12, 0), seq(3, 14, 0)  # same 12 tokens (a complete hit); 12 + 2 more
     s.add(again)
     s.add(longer)
     chunks = s.schedule()
@@ -139,11 +141,39 @@ def test_full_mode_and_disabled_cache_compute_every_token():
     for enable, mode in ((False, HiddenStatesMode.NONE), (True, HiddenStatesMode.FULL)):
         pool = BlockPool(20, 4, enable_caching=enable)
         s = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
-        a = seq(1, 12)
+        a = seq(1, 12, 0)
         s.add(a)
         run_step(s.schedule())
         s.cache_computed(a)
-        b = seq(2, 12)
+        b = seq(2, 12, 0)
         b.hidden_mode = mode
         s.add(b)
         assert [(ch.start, ch.num_tokens) for ch in s.schedule()] == [(12, 1), (0, 12)]
+
+
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
+    pool = BlockPool(40, 4)
+    s = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b, c = seq(1, 18, 0), seq(2, 18, 0), seq(3, 5)  # a and b share 4 full blocks
+    for x in (a, b, c):
+        s.add(x)
+    chunks = s.schedule()
+    assert [(ch.seq, ch.start, ch.num_tokens) for ch in chunks] == [(a, 0, 18), (c, 0, 5)]
+    run_step(chunks)
+    for x in (a, c):
+        s.cache_computed(x)
+    chunks = s.schedule()  # b now takes a's 4 blocks and computes its last 2 tokens
+    assert [(ch.seq, ch.start, ch.num_tokens) for ch in chunks] == [(a, 18, 1), (c, 5, 1), (b, 16, 2)]
+    assert b.block_table[:4] == a.block_table[:4]
+    s.preempt(a)  # an abandoned prefix is not waited for
+    d = seq(4, 30, 500)
+    e = seq(5, 30, 500)
+    s.add(d)
+    s.add(e)
+    s.finish(b)
+    s.finish(c)
+    chunks = s.schedule()
+    assert d in [ch.seq for ch in chunks] and e not in [ch.seq for ch in chunks]
+    s.finish(d)  # d leaves before computing: e no longer waits
+    assert e in [ch.seq for ch in s.schedule()]
+    pool.check_invariants()

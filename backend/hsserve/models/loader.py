@@ -102,10 +102,14 @@ def random_weights(model: Decoder, seed: int = 0, std: float = 0.02) -> None:
             p.data.normal_(0.0, std, generator=gen)
 
 
-def load_model(folder: str, dtype_name: str, device: torch.device) -> Decoder:
+def load_model(folder: str, dtype_name: str, device: torch.device, load_format: str = "auto") -> Decoder:
+    """load_format "dummy": random weights in the folder's shapes (only config.json is read)."""
     spec = ModelSpec.from_folder(folder)
     model = build_decoder(spec, resolve_dtype(dtype_name, spec, device), device)
-    load_weights(model, folder)
+    if load_format == "dummy":
+        random_weights(model)
+    else:
+        load_weights(model, folder)
     if pack_for_cpu(model):
         log.info("CPU linears packed for oneDNN")
     return model
