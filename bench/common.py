@@ -10,6 +10,9 @@ import subprocess
 
 
 def commit() -> str:
+    """The code's commit; HSSERVE_COMMIT overrides it (the device machine's copy has no history)."""
+    if os.environ.get("HSSERVE_COMMIT"):
+        return os.environ["HSSERVE_COMMIT"]
     try:
         sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
         dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "backend"]) != 0

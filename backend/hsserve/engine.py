@@ -158,6 +158,14 @@ class Engine:
                     self.pool.check_invariants()
         finally:
             self._fail_all("the engine shut down")
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the weights and the KV cache so their memory returns (the pool's ids stay)."""
+        cuda = self.executor.device.type == "cuda"
+        self.model = self.executor = None
+        if cuda:
+            torch.cuda.empty_cache()
 
     def _drain(self, block: bool) -> bool:
         """Apply queued messages; False when asked to stop."""

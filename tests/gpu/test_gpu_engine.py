@@ -68,3 +68,56 @@ def test_gpu_engine_matches_transformers(tiny_dirs, family, dtype):
             for ours, theirs in zip(r.hidden.chunk(3, -1), ref.chunk(3, -1)):
                 cos = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
                 assert float(cos.min()) >= 0.999, float(cos.min())
+
+
+@pytest.mark.parametrize("mode", list(HiddenStatesMode))
+def test_gpu_prefix_cache_warm_equals_cold(tiny_dirs, mode):
+    """Issue 5 acceptance 1 on CUDA (float32): shared prefixes, a complete hit, chunked prompts,
+    n = 4 seeded samples: the warm engine's second round equals a cold engine."""
+    folder = tiny_dirs["llama"]
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 1000, (40,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 9, 30)]
+    prompts += [prefix[:32], prefix + list(range(100, 180))]
+    sp = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=4, ignore_eos=True)]
+
+    def run_all(engine, tag):
+        streams = [engine.submit(GenerationRequest(f"{tag}{i}-{j}", prompt_ids=p, sampling=s,
+                                                   hidden_mode=mode, hidden_layers=(0, -1)))
+                   for i, p in enumerate(prompts) for j, s in enumerate(sp)]
+        return [r for s in streams for r in s.results(timeout=300)]
+
+    cold = Engine(EngineConfig(model=folder, device="cuda", dtype="float32",
+                               enable_prefix_caching=False)).start()
+    try:
+        want = run_all(cold, "c")
+    finally:
+        cold.shutdown()
+    warm = Engine(EngineConfig(model=folder, device="cuda", dtype="float32",
+                               max_num_batched_tokens=64)).start()
+    try:
+        run_all(warm, "w1")
+        hits = warm.pool.num_hit_tokens
+        got = run_all(warm, "w2")
+        if mode != HiddenStatesMode.FULL:
+            assert warm.pool.num_hit_tokens > hits
+        assert warm.pool.num_used == 0
+    finally:
+        warm.shutdown()
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        if b.hidden is not None:
+            assert a.hidden.shape == b.hidden.shape
+            assert torch.allclose(a.hidden, b.hidden, rtol=0, atol=1e-4)
+
+
+def test_gpu_memory_returns_after_shutdown(tiny_dirs):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    engine = Engine(EngineConfig(model=tiny_dirs["llama"], device="cuda", num_kv_blocks=4096)).start()
+    engine.generate(GenerationRequest("m", prompt_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=3)))
+    assert torch.cuda.memory_allocated() > base + (8 << 20)  # weights + 4096 blocks of KV
+    engine.shutdown()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= base + (1 << 20)
