@@ -8,6 +8,10 @@ import shutil
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # NOTE: before any kernel module is imported: Triton kernels then run in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hsserve import Engine, EngineConfig
 from hsserve.models.default_model import ensure_default_model
 

@@ -36,7 +36,11 @@ class AttentionBatch:
     # [B, max_blocks * block_size] in the model dtype: 0 where visible, -inf elsewhere (an additive
     # mask built once per step; a boolean one is converted again by every layer)
     decode_bias: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None  # [B] int32: keys 0..len-1 visible
     spans: list[Span] = field(default_factory=list)
+    # NOTE: True where the Triton kernels run this batch (CUDA): decode rows then need only
+    # block tables + lengths, and K/V writes skip negative slots (padding rows of a CUDA graph)
+    kernels: bool = False
 
     @property
     def all_decode(self) -> bool:

@@ -119,6 +119,12 @@ class Engine:
         return self._thread.name
 
     @property
+    def num_graph_captures(self) -> int:
+        """CUDA graphs captured (all at start; the number never grows while serving)."""
+        graphs = self.executor.graphs if self.executor is not None else None
+        return graphs.num_captures if graphs is not None else 0
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 

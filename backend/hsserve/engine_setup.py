@@ -10,11 +10,13 @@ import torch
 
 from hsserve.block_pool import BlockPool
 from hsserve.config import DEFAULT_MODEL, ConfigError, EngineConfig
+from hsserve.cuda_graphs import DecodeGraphs
 from hsserve.executor import Executor
 from hsserve.models.decoder import Decoder
 from hsserve.models.default_model import ensure_default_model
 from hsserve.models.loader import load_model
 from hsserve.models.spec import ModelSpec
+from hsserve.request import HiddenStatesMode
 from hsserve.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -102,14 +104,22 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     pool = BlockPool(blocks, bs, enable_caching=config.enable_prefix_caching)
     log.info("model %s on %s (%s): %d KV blocks of %d tokens", folder, device, model.embed.dtype, blocks, bs)
+    layers = captured_layers(config, spec)
+    executor = Executor(model, kv_cache, bs)
+    if config.enable_cuda_graph and executor.kernels:
+        # NOTE: captured once for the ceiling and the captured layer set; never again
+        graph_layers = list(layers) if config.hidden_states_ceiling != HiddenStatesMode.NONE else []
+        executor.graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs,
+                                       -(-max_model_len // bs), graph_layers)
+        executor.graphs.capture()
     return EngineParts(
         spec=spec,
         model=model,
         tokenizer=load_tokenizer(folder),
         pool=pool,
         scheduler=Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens),
-        executor=Executor(model, kv_cache, bs),
+        executor=executor,
         max_model_len=max_model_len,
         max_prompt_tokens=min(config.max_prompt_tokens or max_model_len, max_model_len),
-        captured_layers=captured_layers(config, spec),
+        captured_layers=layers,
     )

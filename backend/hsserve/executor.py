@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from hsserve.attention_batch import AttentionBatch, Span, visible_keys
+from hsserve.cuda_graphs import DecodeGraphs
 from hsserve.hidden_capture import HiddenCapture
+from hsserve.kernels import kernels_supported
 from hsserve.models.decoder import Decoder
 from hsserve.request import HiddenStatesMode
 from hsserve.sampler import sample
@@ -39,11 +41,13 @@ def rows_to_capture(chunk: Chunk) -> range:
 class Executor:
     def __init__(self, model: Decoder, kv_cache: torch.Tensor, block_size: int):
         self.model = model
+        self.graphs: DecodeGraphs | None = None  # set by engine setup on CUDA
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.device = kv_cache.device
         self.window = model.spec.sliding_window
         self.dtype = model.embed.dtype
+        self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -51,7 +55,7 @@ class Executor:
 
     def _attention_batch(self, chunks: list[Chunk], slot_mapping: list[int]) -> AttentionBatch:
         dev = self.device
-        batch = AttentionBatch(slot_mapping=torch.tensor(slot_mapping, device=dev))
+        batch = AttentionBatch(slot_mapping=torch.tensor(slot_mapping, device=dev), kernels=self.kernels)
         decode = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
         row = 0
         rows_of = []
@@ -64,17 +68,17 @@ class Executor:
             tables = [c.seq.block_table[:num_blocks] for _, c in decode]
             batch.decode_rows = torch.tensor([rows_of[i] for i, _ in decode], device=dev)
             batch.decode_block_tables = torch.tensor(
-                [t + [0] * (num_blocks - len(t)) for t in tables], device=dev
+                [t + [0] * (num_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev
             )
-            width = num_blocks * bs
-            q_pos = torch.tensor([c.start for _, c in decode], device=dev)
-            lens = torch.tensor([c.end for _, c in decode], device=dev)
-            keys = torch.arange(width, device=dev)
-            mask = keys[None, :] < lens[:, None]
-            if self.window is not None:
-                mask &= keys[None, :] > q_pos[:, None] - self.window
-            bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev)
-            batch.decode_bias = bias.masked_fill_(~mask, float("-inf"))
+            lens = torch.tensor([c.end for _, c in decode], dtype=torch.int32, device=dev)
+            batch.decode_seq_lens = lens
+            if not (self.kernels and len(decode) == len(chunks)):  # NOTE: the reference needs a mask
+                keys = torch.arange(num_blocks * bs, device=dev)
+                mask = keys[None, :] < lens[:, None]
+                if self.window is not None:
+                    mask &= keys[None, :] > lens[:, None] - 1 - self.window
+                bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev)
+                batch.decode_bias = bias.masked_fill_(~mask, float("-inf"))
         groups: list[tuple[int, int, list[list[int]], torch.Tensor | None]] = []
         for i, c in enumerate(chunks):
             if c.num_tokens == 1:
@@ -99,6 +103,9 @@ class Executor:
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk]) -> StepOutput:
+        g = self.graphs
+        if g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks):
+            return self._execute_graph(chunks)
         ids, positions, slot_mapping = [], [], []
         logit_rows, capture_rows, row_starts, capture_slices = [], [], [], []
         layers: list[int] = []
@@ -155,3 +162,37 @@ class Executor:
                     cols = [column[k] for k in c.seq.hidden_layers]
                     rows[i] = captured[first : first + n][:, cols].reshape(n, -1)
         return StepOutput(tokens, rows, row_starts)
+
+    def _execute_graph(self, chunks: list[Chunk]) -> StepOutput:
+        """A decode-only step through the captured graphs."""
+        g = self.graphs
+        wanted = [rows_to_capture(c) for c in chunks]
+        logits, rows = g.run(
+            [c.seq.token_ids[c.start] for c in chunks],
+            [c.start for c in chunks],
+            [self._slots(c.seq.block_table, c.start, c.end)[0] for c in chunks],
+            [c.seq.block_table for c in chunks],
+            [c.end for c in chunks],
+            with_rows=any(len(w) for w in wanted),
+        )
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        tokens: list[int | None] = [None] * len(chunks)
+        if sampling:
+            picked = logits if len(sampling) == len(chunks) else logits[torch.tensor(sampling, device=self.device)]
+            sampled = sample(
+                picked,
+                [chunks[i].seq.sampling for i in sampling],
+                [chunks[i].seq.seed for i in sampling],
+                [chunks[i].seq.num_generated for i in sampling],
+            ).tolist()
+            for i, t in zip(sampling, sampled):
+                tokens[i] = t
+        out_rows: list[torch.Tensor | None] = [None] * len(chunks)
+        keep = [i for i, w in enumerate(wanted) if len(w)]
+        if keep:
+            captured = rows[torch.tensor(keep, device=self.device)].float().cpu()
+            column = {k: j for j, k in enumerate(g.layers)}
+            for j, i in enumerate(keep):
+                cols = [column[k] for k in chunks[i].seq.hidden_layers]
+                out_rows[i] = captured[j, cols].reshape(1, -1)
+        return StepOutput(tokens, out_rows, [w.start for w in wanted])

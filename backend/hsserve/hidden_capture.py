@@ -10,13 +10,27 @@ import torch
 
 
 class HiddenCapture:
-    def __init__(self, layers: list[int], rows: torch.Tensor, hidden_size: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        layers: list[int],
+        rows: torch.Tensor | None,
+        hidden_size: int,
+        dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+        device: torch.device | None = None,
+    ):
+        """rows: the batch rows to keep, None for all of them (a CUDA graph's static batch);
+        out: where to write ([rows, len(layers), hidden]), allocated when not given."""
         self.layers = layers  # normalized 0..L, in output column order
-        self.rows = rows  # [R] batch rows to keep
+        self.rows = rows
         self._column = {k: i for i, k in enumerate(layers)}
-        self.out = torch.empty(len(rows), len(layers), hidden_size, dtype=dtype, device=rows.device)
+        if out is None:
+            n = len(rows) if rows is not None else 0
+            out = torch.empty(n, len(layers), hidden_size, dtype=dtype,
+                              device=rows.device if rows is not None else device)
+        self.out = out
 
     def take(self, k: int, x: torch.Tensor) -> None:
         col = self._column.get(k)
         if col is not None:
-            self.out[:, col] = x[self.rows]
+            self.out[:, col] = x if self.rows is None else x[self.rows]

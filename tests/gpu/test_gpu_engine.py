@@ -121,3 +121,43 @@ def test_gpu_memory_returns_after_shutdown(tiny_dirs):
     engine.shutdown()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= base + (1 << 20)
+
+
+def test_gpu_graphs_captured_once_equal_eager_over_1000_steps(tiny_dirs):
+    """Decode runs through CUDA graphs captured at start (plain and with rows, per batch size);
+    MODE none / last / full alternate for 1000+ steps, the capture counter never moves, and the
+    outputs equal the eager engine's."""
+    from hsserve.cuda_graphs import batch_ladder
+
+    cfg = dict(model=tiny_dirs["llama"], device="cuda", dtype="float32", max_num_seqs=8)
+    graph = Engine(EngineConfig(**cfg)).start()
+    eager = Engine(EngineConfig(**cfg, enable_cuda_graph=False)).start()
+    try:
+        captures = graph.num_graph_captures
+        assert captures == 2 * len(batch_ladder(8)) and eager.num_graph_captures == 0
+        g = torch.Generator().manual_seed(9)
+        modes = list(HiddenStatesMode)
+        steps0, rounds = graph.num_steps, 0
+        while graph.num_steps - steps0 < 1000:
+            reqs = [GenerationRequest(
+                f"r{rounds}-{i}",
+                prompt_ids=torch.randint(3, 1000, (int(torch.randint(1, 40, (1,), generator=g)),),
+                                         generator=g).tolist(),
+                sampling=SamplingParams(max_tokens=int(torch.randint(1, 48, (1,), generator=g)),
+                                        temperature=0.0, ignore_eos=True),
+                hidden_mode=modes[(rounds + i) % 3], hidden_layers=(0, -1))
+                for i in range(1 + rounds % 7)]
+            got = [graph.submit(r) for r in reqs]
+            got = [s.result(timeout=300) for s in got]
+            if rounds < 6:
+                want = [eager.generate(r, timeout=300) for r in reqs]
+                for a, b in zip(got, want):
+                    assert a.token_ids == b.token_ids
+                    if b.hidden is not None:
+                        assert torch.allclose(a.hidden, b.hidden, rtol=0, atol=1e-4)
+            rounds += 1
+        assert graph.num_graph_captures == captures
+        assert graph.pool.num_used == 0
+    finally:
+        graph.shutdown()
+        eager.shutdown()

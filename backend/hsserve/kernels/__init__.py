@@ -1,2 +1,41 @@
-"""Attention and fused kernels: torch reference versions (CPU and test oracle) live beside the
-Triton-language versions used on CUDA."""
+"""Attention over the paged KV cache: Triton kernels on CUDA, the torch reference elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from hsserve.attention_batch import AttentionBatch
+from hsserve.kernels.paged_attention_ref import paged_attention_ref, write_kv
+
+
+def kernels_supported(device: torch.device, block_size: int, head_dim: int) -> bool:
+    """The Triton kernels need CUDA, power-of-two block size >= 16 and head_dim >= 16."""
+    pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+    if device.type != "cuda" or not (block_size >= 16 and pow2(block_size)):
+        return False
+    if not (head_dim >= 16 and pow2(head_dim)):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
+    if batch.kernels:
+        from hsserve.kernels.paged_decode_attention import write_kv_triton
+
+        write_kv_triton(kv, k, v, batch.slot_mapping)
+    else:
+        write_kv(kv, k, v, batch.slot_mapping)
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, batch: AttentionBatch, scale: float,
+           window: int | None) -> torch.Tensor:
+    if batch.kernels and batch.all_decode:
+        from hsserve.kernels.paged_decode_attention import paged_decode_attention
+
+        return paged_decode_attention(q, kv, batch.decode_block_tables, batch.decode_seq_lens,
+                                      scale, window)
+    return paged_attention_ref(q, kv, batch, scale)

@@ -12,7 +12,7 @@ from torch import nn
 
 from hsserve.attention_batch import AttentionBatch
 from hsserve.hidden_capture import HiddenCapture
-from hsserve.kernels.paged_attention_ref import paged_attention_ref, write_kv
+from hsserve.kernels import attend, store_kv
 from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
 from hsserve.models.spec import ModelSpec
@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
+        self.window = spec.sliding_window
 
     def forward(self, x, cos, sin, batch: AttentionBatch, kv):
         qkv = self.qkv(x).view(len(x), -1, self.head_dim)
@@ -60,8 +61,8 @@ class Attention(nn.Module):
         else:  # NOTE: q and k rotated in one pass
             q, k = apply_rotary(qkv[:, : h + kvh], cos, sin).split((h, kvh), dim=1)
         v = qkv[:, h + kvh :]
-        write_kv(kv, k, v, batch.slot_mapping)
-        o = paged_attention_ref(q, kv, batch, self.scale)
+        store_kv(kv, k, v, batch)
+        o = attend(q, kv, batch, self.scale, self.window)
         return self.o_proj(o.reshape(len(x), -1))
 
 

@@ -1,0 +1,206 @@
+"""Triton kernels for the decode step over the paged KV cache (CUDA; TRITON_INTERPRET=1 on CPU).
+
+- write_kv_triton: stores each new token's k/v at its slot; a negative slot (a padding row of a
+  CUDA-graph batch) writes nothing.
+- paged_decode_attention: one query token per sequence against its cached keys, split-K
+  ("flash-decoding"): the pages of each sequence are spread over `num_splits` programs per KV
+  head, each keeps an online softmax (max, sum, weighted values) over its pages for every query
+  head of the KV head's group at once (GQA: the group's heads share each K/V load), and a second
+  kernel merges the splits. A sequence of length 0 (padding) yields zeros.
+
+The torch reference (paged_attention_ref.py) is the oracle in tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    K, V, KV, SLOTS,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_half, stride_slot, stride_head,
+    HEAD_DIM: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, HEAD_DIM)
+        k = tl.load(K + t * stride_kt + h * stride_kh + d)
+        v = tl.load(V + t * stride_vt + h * stride_vh + d)
+        base = KV + slot * stride_slot + h * stride_head + d
+        tl.store(base, k)
+        tl.store(base + stride_half, v)
+
+
+def write_kv_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """kv: one layer's cache [2, blocks, block_size, kv_heads, head_dim]; k/v [tokens, kv_heads,
+    head_dim] (last dim contiguous); slots [tokens] int (negative = skip)."""
+    t, kvh, d = k.shape
+    if t == 0:
+        return
+    flat = kv.view(2, -1, kvh, d)
+    _write_kv_kernel[(t, kvh)](
+        k, v, flat, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        flat.stride(0), flat.stride(1), flat.stride(2),
+        HEAD_DIM=d,
+    )
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KV, TABLES, LENS, ACC, STATS,
+    scale, window,
+    stride_qb, stride_qh,
+    stride_half, stride_block, stride_tok, stride_head,
+    stride_tb,
+    stride_ab, stride_ah, stride_as,
+    stride_sb, stride_sh, stride_ss,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(LENS + b)
+    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
+    per_split = tl.cdiv(num_pages, NUM_SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_pages)
+    if window > 0:  # NOTE: pages wholly outside the sliding window are skipped
+        first = tl.maximum(first, (seq_len - window) // BLOCK_SIZE)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_SIZE)
+    heads = kvh * GROUP + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    pos = seq_len - 1
+    for page in range(first, last):
+        block = tl.load(TABLES + b * stride_tb + page).to(tl.int64)
+        base = KV + block * stride_block + kvh * stride_head
+        k = tl.load(base + n[:, None] * stride_tok + d[None, :])
+        v = tl.load(base + stride_half + n[:, None] * stride_tok + d[None, :])
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        keys = page * BLOCK_SIZE + n
+        visible = keys <= pos
+        if window > 0:
+            visible = visible & (keys > pos - window)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # NOTE: a row that has seen only masked keys keeps m = -inf; guard exp(-inf - -inf)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = ACC + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + d[None, :]
+    tl.store(out, acc, mask=(g < GROUP)[:, None])
+    stats = STATS + b * stride_sb + heads * stride_sh + split * stride_ss
+    tl.store(stats, m, mask=g < GROUP)
+    tl.store(stats + 1, l, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    ACC, STATS, OUT,
+    stride_ab, stride_ah, stride_as,
+    stride_sb, stride_sh, stride_ss,
+    stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    stats = STATS + b * stride_sb + h * stride_sh + s * stride_ss
+    m = tl.load(stats, mask=s < NUM_SPLITS, other=float("-inf"))
+    l = tl.load(stats + 1, mask=s < NUM_SPLITS, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    acc = tl.load(ACC + b * stride_ab + h * stride_ah + s[:, None] * stride_as + d[None, :],
+                  mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    total = tl.sum(w * l, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(OUT + b * stride_ob + h * stride_oh + d, o.to(OUT.dtype.element_ty))
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_pages: int, num_sms: int = 132) -> int:
+    """Enough programs to fill the GPU about twice, never more splits than pages."""
+    want = -(-2 * num_sms // max(1, batch * kv_heads))
+    return max(1, min(want, max_pages, 64))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, heads, head_dim]; kv one layer [2, blocks, block_size, kv_heads, head_dim];
+    block_tables [B, max_pages] int32; seq_lens [B] int32 (keys 0..len-1 visible; the query is
+    at position len-1). Returns [B, heads, head_dim] in q's dtype."""
+    bsz, heads, d = q.shape
+    _, _, block_size, kv_heads, _ = kv.shape
+    group = heads // kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(bsz, kv_heads, block_tables.shape[1])
+    acc = torch.empty(bsz, heads, num_splits, d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(bsz, heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q) if out is None else out
+    if bsz == 0:
+        return out
+    _decode_split_kernel[(bsz, kv_heads, num_splits)](
+        q, kv, block_tables, seq_lens, acc, stats,
+        scale, window or 0,
+        q.stride(0), q.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        block_tables.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        stats.stride(0), stats.stride(1), stats.stride(2),
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=d,
+        IEEE=q.dtype == torch.float32,
+    )
+    _decode_merge_kernel[(bsz, heads)](
+        acc, stats, out,
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        stats.stride(0), stats.stride(1), stats.stride(2),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=d,
+    )
+    return out

@@ -1,0 +1,186 @@
+"""GPU decode benchmark (H200): engine vs roofline vs transformers, random weights in real shapes.
+
+For each shape and batch size, B requests with 128-token prompts generate 128 tokens each (EOS
+ignored), all in lockstep: decode step = time from the last first token to the last token / 127;
+throughput = B x 128 / wall time (prefill included). The roofline of a step is the bytes it must
+read (every weight once + the KV cache of the batch) / the copy bandwidth measured in the same run.
+transformers generate (eager attention cache and its static cache) runs the same shapes after.
+MODE costs at batch 64: MODE=last vs none, and MODE=none on a server whose ceiling is full vs one
+whose ceiling is none.
+
+    python bench/gpu_decode.py [--shapes llama-1b llama-8b] [--out bench/results/h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import write_result  # noqa: E402
+from shapes import SHAPES, random_model  # noqa: E402
+
+from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams  # noqa: E402
+
+PROMPT, NEW = 128, 128
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy of 2 GiB (read + write counted)."""
+    a = torch.empty(1 << 30, dtype=torch.int16, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    return 2 * a.numel() * 2 * 10 / (start.elapsed_time(end) / 1000)
+
+
+def engine_run(engine: Engine, batch: int, mode=HiddenStatesMode.NONE, tag: str = "") -> dict:
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(10, engine.spec.vocab_size - 10, (batch, PROMPT), generator=g).tolist()
+    sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    first: list[float] = []
+    last: list[float] = []
+    lock = threading.Lock()
+    done = threading.Semaphore(0)
+
+    def sink(delta):
+        now = time.perf_counter()
+        with lock:
+            if delta.token_ids and delta.num_output_tokens == len(delta.token_ids):
+                first.append(now)
+            if delta.request_done:
+                last.append(now)
+                done.release()
+
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.submit(GenerationRequest(f"{tag}{batch}-{i}", prompt_ids=p, sampling=sp,
+                                        hidden_mode=mode, hidden_layers=(-1,)), sink=sink)
+    for _ in prompts:
+        done.acquire()
+    t_end = max(last)
+    return {"step_ms": 1000 * (t_end - max(first)) / (NEW - 1), "tok_s": batch * NEW / (t_end - t0)}
+
+
+def make_engine(folder: str, batch: int, ceiling=HiddenStatesMode.FULL) -> Engine:
+    return Engine(EngineConfig(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
+                               max_num_seqs=max(batch, 1), max_model_len=PROMPT + NEW + 16,
+                               hidden_states_ceiling=ceiling,
+                               hidden_layers_captured=(-1,) if ceiling else None,
+                               max_num_batched_tokens=max(2048, batch * PROMPT))).start()
+
+
+def best_of(engine: Engine, batch: int, repeats: int, **kw) -> dict:
+    runs = [engine_run(engine, batch, tag=f"r{r}-", **kw) for r in range(repeats)]
+    return min(runs, key=lambda r: r["step_ms"])
+
+
+def weight_bytes(spec) -> int:
+    h, i, L, v = spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.vocab_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h * i + i * h + 2 * h
+    return 2 * (L * per_layer + v * h + h)  # NOTE: the lm_head (tied or not) is read in full
+
+
+def kv_bytes(spec, batch: int, ctx: int) -> int:
+    return 2 * batch * ctx * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
+
+
+def hf_steps(folder: str, batch: int) -> dict:
+    """transformers generate: ms per decode step, eager (dynamic cache) and static cache."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(folder)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(10, cfg.vocab_size - 10, (batch, PROMPT), device="cuda")
+    out = {}
+    for name, kw in (("eager", {}), ("static", {"cache_implementation": "static"})):
+        def gen(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+        gen(4)
+        one, full = min(gen(1) for _ in range(2)), min(gen(NEW) for _ in range(2))
+        out[f"hf_{name}_step_ms"] = round(1000 * (full - one) / (NEW - 1), 3)
+        out[f"hf_{name}_tok_s"] = round(batch * NEW / full, 1)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-8b"], choices=sorted(SHAPES))
+    ap.add_argument("--batches-1b", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--batches-8b", type=int, nargs="+", default=[1])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200.json"))
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows, keys = [], {}
+    for shape in args.shapes:
+        folder = random_model(shape)
+        short = shape.split("-")[1]
+        for batch in (args.batches_1b if short == "1b" else args.batches_8b):
+            engine = make_engine(folder, batch)
+            try:
+                r = best_of(engine, batch, args.repeats)
+                spec = engine.spec
+                roof = 1000 * (weight_bytes(spec) + kv_bytes(spec, batch, PROMPT + NEW // 2)) / bw
+                row = {"shape": shape, "batch": batch, "step_ms": round(r["step_ms"], 3),
+                       "tok_s": round(r["tok_s"], 1), "roofline_ms": round(roof, 3),
+                       "step_over_roofline": round(r["step_ms"] / roof, 2),
+                       "graph_captures": engine.num_graph_captures}
+                if batch == 64 and short == "1b":
+                    last = best_of(engine, batch, args.repeats, mode=HiddenStatesMode.LAST)
+                    row["last_step_ms"] = round(last["step_ms"], 3)
+                    keys["last_vs_none_overhead_bs64"] = round(last["step_ms"] / r["step_ms"] - 1, 4)
+            finally:
+                engine.shutdown()
+            if batch == 64 and short == "1b":
+                plain = make_engine(folder, batch, ceiling=HiddenStatesMode.NONE)
+                try:
+                    p = best_of(plain, batch, args.repeats)
+                finally:
+                    plain.shutdown()
+                row["none_ceiling_step_ms"] = round(p["step_ms"], 3)
+                keys["none_under_full_ceiling_overhead"] = round(r["step_ms"] / p["step_ms"] - 1, 4)
+            if not args.no_hf:
+                row.update(hf_steps(folder, batch))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if short == "1b" and batch == 1:
+                keys["decode_step_ms_bs1_1b"] = row["step_ms"]
+            if short == "1b" and batch == 64:
+                keys["decode_tok_s_bs64_1b"] = round(64 * 1000 / row["step_ms"], 1)
+            if short == "8b" and batch == 1:
+                keys["decode_step_ms_bs1_8b"] = row["step_ms"]
+                keys["step_over_roofline_bs1_8b"] = row["step_over_roofline"]
+    write_result(args.out, {"benchmark": "gpu_decode", "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+                            "prompt_len": PROMPT, "new_tokens": NEW, "dtype": "bfloat16",
+                            **keys, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

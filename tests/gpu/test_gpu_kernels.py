@@ -1,0 +1,30 @@
+"""Triton kernels against the torch reference on CUDA: random inputs, odd lengths, block
+boundaries, long contexts, the model dtypes (pytest -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import check_decode, check_write_kv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+LENS = [1, 15, 16, 17, 31, 33, 257, 1000, 3001, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (32, 8, 128), (9, 3, 64), (8, 8, 128)])
+def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
+    for seed, splits in enumerate([None, 1, 7]):
+        check_decode("cuda", dtype, heads, kv_heads, head_dim, LENS, num_splits=splits, seed=seed)
+
+
+def test_decode_attention_sliding_window_and_big_batch():
+    check_decode("cuda", torch.bfloat16, 32, 8, 128, [4096 - i * 37 for i in range(64)], window=1000)
+    check_decode("cuda", torch.float32, 16, 4, 64, list(range(1, 257)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_skips_padding_slots(dtype):
+    check_write_kv("cuda", dtype, kv_heads=8, head_dim=128)

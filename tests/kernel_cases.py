@@ -1,0 +1,62 @@
+"""Kernel-vs-reference checks shared by the CPU run (Triton's interpreter) and the GPU run."""
+
+from __future__ import annotations
+
+import torch
+
+from hsserve.attention_batch import AttentionBatch
+from hsserve.kernels.paged_attention_ref import paged_attention_ref, write_kv
+from hsserve.kernels.paged_decode_attention import paged_decode_attention, write_kv_triton
+
+
+def reference_decode(q, kv, tables, lens, scale, window):
+    bs = kv.shape[2]
+    keys = torch.arange(tables.shape[1] * bs, device=q.device)
+    lens_l = lens.long()
+    mask = keys[None] < lens_l[:, None]
+    if window:
+        mask &= keys[None] > lens_l[:, None] - 1 - window
+    bias = torch.zeros(mask.shape, dtype=torch.float64, device=q.device).masked_fill_(~mask, float("-inf"))
+    batch = AttentionBatch(slot_mapping=torch.zeros(len(q), dtype=torch.long, device=q.device),
+                           decode_rows=torch.arange(len(q), device=q.device),
+                           decode_block_tables=tables.long(), decode_bias=bias)
+    out = paged_attention_ref(q.double(), kv.double(), batch, scale)
+    return torch.where(lens[:, None, None] > 0, out, torch.zeros_like(out))  # NOTE: empty rows -> 0
+
+
+def check_decode(device, dtype, heads, kv_heads, head_dim, lens, window=None, num_splits=None,
+                 block_size=16, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    num_blocks = 4 + sum(-(-n // block_size) for n in lens)
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
+    width = max(1, max(-(-n // block_size) for n in lens))
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), width + 2, dtype=torch.int32)  # NOTE: wider than needed
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // block_size)
+        tables[i, :k] = perm[used : used + k].int()
+        used += k
+    tables = tables.to(device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(device, dtype)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    paged_decode_attention(q, kv, tables, lens_t, scale, window, num_splits, out=out)
+    ref = reference_decode(q, kv, tables[:, :width], lens_t, scale, window)
+    assert not torch.isnan(out).any(), "every output element must be written"
+    err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-12)
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), float(err)
+
+
+def check_write_kv(device, dtype, kv_heads=3, head_dim=64, block_size=16, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    kv = torch.randn(2, 6, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
+    qkv = torch.randn(5, 2 + 2 * kv_heads, head_dim, generator=g).to(device, dtype)
+    k, v = qkv[:, 2 : 2 + kv_heads], qkv[:, 2 + kv_heads :]  # strided views, as in the model
+    slots = torch.tensor([3, -1, 95, 17, 40], device=device)
+    ours, ref = kv.clone(), kv.clone()
+    write_kv_triton(ours, k, v, slots)
+    keep = slots >= 0
+    write_kv(ref, k[keep], v[keep], slots[keep])
+    assert torch.equal(ours, ref)

@@ -1,0 +1,32 @@
+"""Triton kernels against the torch reference, on the CPU through Triton's interpreter (the GPU
+run of the same checks is tests/gpu/test_gpu_kernels.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernel_cases import check_decode, check_write_kv
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the interpreter run is for CPU-only machines",
+)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 32), (4, 4, 16)])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_decode_attention_matches_reference(heads, kv_heads, head_dim, splits):
+    # lengths at and around block boundaries, a single token, an empty (padding) row
+    check_decode("cpu", torch.float32, heads, kv_heads, head_dim, [1, 15, 16, 17, 50, 0],
+                 num_splits=splits)
+
+
+def test_decode_attention_sliding_window():
+    check_decode("cpu", torch.float32, 8, 2, 32, [5, 40, 70], window=24, num_splits=2)
+
+
+def test_write_kv_skips_padding_slots():
+    check_write_kv("cpu", torch.float32)
