@@ -76,6 +76,22 @@ def engine_run(engine: Engine, batch: int, mode=HiddenStatesMode.NONE, tag: str 
     return {"step_ms": 1000 * (t_end - max(first)) / (NEW - 1), "tok_s": batch * NEW / (t_end - t0)}
 
 
+def graph_replay_ms(engine: Engine, batch: int) -> float:
+    """GPU time of the decode graph alone (buffers as the last step left them), by events."""
+    graphs = engine.executor.graphs
+    size = next(s for s in graphs.sizes if s >= batch)
+    graph = graphs.graphs[(size, False)]
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 50
+
+
 def make_engine(folder: str, batch: int, ceiling=HiddenStatesMode.FULL) -> Engine:
     return Engine(EngineConfig(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
                                max_num_seqs=max(batch, 1), max_model_len=PROMPT + NEW + 16,
@@ -146,10 +162,12 @@ def main() -> None:
             engine = make_engine(folder, batch)
             try:
                 r = best_of(engine, batch, args.repeats)
+                graph_ms = graph_replay_ms(engine, batch)
                 spec = engine.spec
                 roof = 1000 * (weight_bytes(spec) + kv_bytes(spec, batch, PROMPT + NEW // 2)) / bw
                 row = {"shape": shape, "batch": batch, "step_ms": round(r["step_ms"], 3),
-                       "tok_s": round(r["tok_s"], 1), "roofline_ms": round(roof, 3),
+                       "tok_s": round(r["tok_s"], 1), "graph_replay_ms": round(graph_ms, 3),
+                       "roofline_ms": round(roof, 3),
                        "step_over_roofline": round(r["step_ms"] / roof, 2),
                        "graph_captures": engine.num_graph_captures}
                 if batch == 64 and short == "1b":

@@ -60,3 +60,36 @@ def check_write_kv(device, dtype, kv_heads=3, head_dim=64, block_size=16, seed=0
     keep = slots >= 0
     write_kv(ref, k[keep], v[keep], slots[keep])
     assert torch.equal(ours, ref)
+
+
+def _close(out, ref, dtype):
+    assert not torch.isnan(out).any()
+    err = (out.double() - ref.double()).norm() / ref.double().norm()
+    assert err < (1e-6 if dtype == torch.float32 else 2e-2), float(err)
+
+
+def check_elementwise(device, dtype, rows=5, hidden=576, inter=1536, seed=0):
+    from hsserve.kernels.elementwise import (add_rmsnorm_ref, add_rmsnorm_triton, rotary_,
+                                             rotary_ref, silu_mul_ref, silu_mul_triton)
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
+    x, r, w = rnd(rows, hidden), rnd(rows, hidden), rnd(hidden)
+    for residual in (None, r):
+        out, total = add_rmsnorm_triton(x, residual, w, 1e-5)
+        ref_out, ref_total = add_rmsnorm_ref(x.double(), None if residual is None else r.double(),
+                                             w.double(), 1e-5)
+        _close(out, ref_out, dtype)
+        _close(total, ref_total, dtype)
+    gu = rnd(rows, 2 * inter)
+    _close(silu_mul_triton(gu), silu_mul_ref(gu.double()), dtype)
+    qkv = rnd(rows, 12, 64)
+    pos = torch.tensor([0, 1, 17, 300, 4095][:rows], device=device).float()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, device=device).float() / 64))
+    freqs = pos[:, None] * inv[None]
+    view = qkv[:, :8]  # q and k heads of a fused qkv row: a strided view, rotated in place
+    want = rotary_ref(view.double(), freqs.cos().double(), freqs.sin().double())
+    rest = qkv[:, 8:].clone()
+    rotary_(view, freqs.cos(), freqs.sin())
+    _close(qkv[:, :8], want, dtype)
+    assert torch.equal(qkv[:, 8:], rest)

@@ -39,11 +39,14 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.layers = list(layers)
         b = max_batch
-        self.ids = torch.zeros(b, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(b, dtype=torch.long, device=dev)
-        self.slots = torch.full((b,), -1, dtype=torch.long, device=dev)
+        # NOTE: one int64 [4, B] buffer (ids, positions, slots, lengths) and one block-table
+        # buffer, each filled by a single copy from pinned host memory per step
+        self.meta = torch.zeros(4, b, dtype=torch.long, device=dev)
+        self.meta[2].fill_(-1)
+        self.ids, self.positions, self.slots, self.lens = self.meta.unbind(0)
         self.tables = torch.zeros(b, max_pages, dtype=torch.int32, device=dev)
-        self.lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.host_meta = torch.zeros(4, b, dtype=torch.long).pin_memory()
+        self.host_tables = torch.zeros(b, max_pages, dtype=torch.int32).pin_memory()
         self.rows_index = torch.arange(b, device=dev)
         self.logits = torch.empty(b, spec.vocab_size, dtype=torch.float32, device=dev)
         self.rows = (
@@ -96,16 +99,16 @@ class DecodeGraphs:
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         width = max(len(t) for t in tables)
-        host = torch.tensor([ids, positions, slots], dtype=torch.long)
-        self.ids[:n].copy_(host[0], non_blocking=True)
-        self.positions[:n].copy_(host[1], non_blocking=True)
-        self.slots[:n].copy_(host[2], non_blocking=True)
-        self.lens[:n].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        self.tables[:n, :width].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
-        if size > n:
-            self.slots[n:size].fill_(-1)
-            self.lens[n:size].fill_(0)
+        # NOTE: the previous step's copies out of the pinned buffers are done: its results were
+        # read on the host (a synchronization) before this step was scheduled
+        hm = self.host_meta
+        hm[:, :n] = torch.tensor([ids, positions, slots, lens], dtype=torch.long)
+        hm[2, n:size] = -1  # padding rows write nothing and attend to nothing
+        hm[3, n:size] = 0
+        self.meta[:, :size].copy_(hm[:, :size], non_blocking=True)
+        self.host_tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                    dtype=torch.int32)
+        self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
         self.graphs[(size, with_rows and self.rows is not None)].replay()
         rows = self.rows[:n] if with_rows and self.rows is not None else None
         return self.logits[:n], rows

@@ -6,6 +6,7 @@ publish deltas. Only the loop thread touches the scheduler, the pool and the exe
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -171,6 +172,7 @@ class Engine:
         cuda = self.executor.device.type == "cuda"
         self.model = self.executor = None
         if cuda:
+            gc.collect()  # NOTE: CUDA graphs and their memory pool go only when collected
             torch.cuda.empty_cache()
 
     def _drain(self, block: bool) -> bool:

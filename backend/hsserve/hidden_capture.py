@@ -30,6 +30,9 @@ class HiddenCapture:
                               device=rows.device if rows is not None else device)
         self.out = out
 
+    def wants(self, k: int) -> bool:
+        return k in self._column
+
     def take(self, k: int, x: torch.Tensor) -> None:
         col = self._column.get(k)
         if col is not None:

@@ -28,3 +28,11 @@ def test_decode_attention_sliding_window_and_big_batch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_skips_padding_slots(dtype):
     check_write_kv("cuda", dtype, kv_heads=8, head_dim=128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden, inter", [(576, 1536), (2048, 8192), (4096, 14336)])
+def test_elementwise_kernels_match_reference(dtype, hidden, inter):
+    from kernel_cases import check_elementwise
+
+    check_elementwise("cuda", dtype, rows=5, hidden=hidden, inter=inter)

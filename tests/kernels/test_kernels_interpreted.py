@@ -30,3 +30,9 @@ def test_decode_attention_sliding_window():
 
 def test_write_kv_skips_padding_slots():
     check_write_kv("cpu", torch.float32)
+
+
+def test_elementwise_kernels_match_reference():
+    from kernel_cases import check_elementwise
+
+    check_elementwise("cpu", torch.float32)

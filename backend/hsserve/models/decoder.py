@@ -6,6 +6,8 @@ are plain parameters created uninitialized and filled by the loader; q/k/v and g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +15,7 @@ from torch import nn
 from hsserve.attention_batch import AttentionBatch
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, store_kv
+from hsserve.kernels.elementwise import add_rmsnorm, rotary_, silu_mul
 from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
 from hsserve.models.spec import ModelSpec
@@ -28,12 +31,26 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # NOTE: one fused kernel; same formula as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual (norm(x + residual), x + residual) in one pass on CUDA."""
+        normed, total = add_rmsnorm(x, residual, self.weight, self.eps)
+        return normed if residual is None else (normed, total)
+
+
+@dataclass
+class Rotary:
+    """Each token's rotation, computed once per forward: cos/sin [tokens, head_dim] in the model
+    dtype for the torch path; [tokens, head_dim // 2] float32 for the CUDA kernel."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    fused: bool
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            rotary_(x, self.cos, self.sin)
+            return x
+        return apply_rotary(x, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -52,14 +69,14 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.window = spec.sliding_window
 
-    def forward(self, x, cos, sin, batch: AttentionBatch, kv):
+    def forward(self, x, rope: Rotary, batch: AttentionBatch, kv):
         qkv = self.qkv(x).view(len(x), -1, self.head_dim)
         h, kvh = self.num_heads, self.num_kv_heads
         if self.q_norm is not None:
             q, k = self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = rope.apply(q), rope.apply(k)
         else:  # NOTE: q and k rotated in one pass
-            q, k = apply_rotary(qkv[:, : h + kvh], cos, sin).split((h, kvh), dim=1)
+            q, k = rope.apply(qkv[:, : h + kvh]).split((h, kvh), dim=1)
         v = qkv[:, h + kvh :]
         store_kv(kv, k, v, batch)
         o = attend(q, kv, batch, self.scale, self.window)
@@ -73,8 +90,7 @@ class MLP(nn.Module):
         self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -85,9 +101,16 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, batch, kv):
-        x = x + self.attn(self.input_norm(x), cos, sin, batch, kv)
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(self, x, residual, rope, batch, kv):
+        """x: the previous layer's MLP output (the embeddings for the first layer, residual None).
+        Returns (this layer's MLP output, the residual stream before it is added): the add is
+        fused into the next norm."""
+        if residual is None:
+            h, residual = self.input_norm(x), x
+        else:
+            h, residual = self.input_norm(x, residual)
+        h, residual = self.post_attn_norm(self.attn(h, rope, batch, kv), residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -115,16 +138,20 @@ class Decoder(nn.Module):
         """Returns the final-norm hidden states [tokens, hidden]; kv_cache is [L, 2, ...]."""
         x = F.embedding(input_ids, self.embed)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if x.is_cuda:
+            rope = Rotary(freqs.cos(), freqs.sin(), fused=True)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+            rope = Rotary(emb.cos().to(x.dtype), emb.sin().to(x.dtype), fused=False)
         if capture is not None:
             capture.take(0, x)
         last = len(self.layers)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, kv_cache[i])
-            if capture is not None and i + 1 < last:
-                capture.take(i + 1, x)
-        x = self.norm(x)
+            x, residual = layer(x, residual, rope, batch, kv_cache[i])
+            if capture is not None and i + 1 < last and capture.wants(i + 1):
+                capture.take(i + 1, residual + x)  # NOTE: the layer's output, as the next norm sees it
+        x, _ = self.norm(x, residual)
         if capture is not None:
             capture.take(last, x)
         return x

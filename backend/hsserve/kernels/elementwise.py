@@ -1,0 +1,137 @@
+"""Fused elementwise kernels for the decoder on CUDA, each beside its torch reference.
+
+- add_rmsnorm: (x + residual) -> (RMSNorm of the sum, the sum): one pass instead of ~8 kernels.
+- rotary_: rotate q and k heads in place from float32 cos/sin of each token's position.
+- silu_mul: silu(gate) * up from the fused gate_up output.
+
+Every kernel computes in float32 and rounds once to the tensor's dtype; the references are the
+formulas the CPU path runs (and the test oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# ---- RMSNorm with the residual add --------------------------------------------------------------
+
+
+def add_rmsnorm_ref(x, residual, weight, eps):
+    """Returns (normed, x + residual); residual None means no add (the sum is x)."""
+    if residual is not None:
+        x = x + residual
+    if x.dtype == torch.float32:  # NOTE: one fused CPU kernel; the same formula as below
+        return F.rms_norm(x, weight.shape, weight, eps), x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
+
+
+@triton.jit
+def _add_rmsnorm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, n, eps,
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(SUM + row * stride_s + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    y = (xf * inv).to(x.dtype)
+    tl.store(OUT + row * stride_o + cols, (w * y).to(OUT.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(x, residual, weight, eps):
+    """The Triton kernel on CUDA, the reference elsewhere."""
+    if x.is_cuda:
+        return add_rmsnorm_triton(x, residual, weight, eps)
+    return add_rmsnorm_ref(x, residual, weight, eps)
+
+
+def add_rmsnorm_triton(x, residual, weight, eps):
+    x2 = x.reshape(-1, x.shape[-1])
+    n = x2.shape[-1]
+    out = torch.empty_like(x2)
+    total = torch.empty_like(x2) if residual is not None else x2
+    r2 = residual.reshape(-1, n) if residual is not None else x2
+    block = triton.next_power_of_2(n)
+    if len(x2):
+        _add_rmsnorm_kernel[(len(x2),)](
+            x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
+            n, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )
+    return out.view(x.shape), total.view(x.shape)
+
+
+# ---- rotary embeddings ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotary_kernel(X, COS, SIN, stride_t, stride_h, stride_c, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    base = X + t * stride_t + h * stride_h
+    x1 = tl.load(base + i)
+    x2 = tl.load(base + HALF + i)
+    c = tl.load(COS + t * stride_c + i)
+    s = tl.load(SIN + t * stride_c + i)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base + i, (a * c - b * s).to(x1.dtype))
+    tl.store(base + HALF + i, (b * c + a * s).to(x1.dtype))
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [tokens, heads, head_dim] (last dim contiguous) rotated in place (rotate-half layout);
+    cos/sin [tokens, head_dim // 2] float32."""
+    t, h, d = x.shape
+    if t:
+        _rotary_kernel[(t, h)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=d // 2)
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same rotation (float32 math, one rounding) out of place; cos/sin as in rotary_."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
+
+
+# ---- SiLU and multiply ----------------------------------------------------------------------------
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@triton.jit
+def _silu_mul_kernel(X, OUT, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(X + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + t * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(OUT + t * stride_o + cols, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel on CUDA, the reference elsewhere."""
+    return silu_mul_triton(gate_up) if gate_up.is_cuda else silu_mul_ref(gate_up)
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    t, two_n = gate_up.shape
+    n = two_n // 2
+    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if t:
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0),
+                                                     n, BLOCK=block)
+    return out
