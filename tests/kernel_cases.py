@@ -93,3 +93,29 @@ def check_elementwise(device, dtype, rows=5, hidden=576, inter=1536, seed=0):
     rotary_(view, freqs.cos(), freqs.sin())
     _close(qkv[:, :8], want, dtype)
     assert torch.equal(qkv[:, 8:], rest)
+
+
+def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0):
+    from hsserve.kernels.elementwise import rotary_ref, rotary_store_
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    t = 5
+    qkv = torch.randn(t, heads + 2 * kv_heads, head_dim, generator=g).to(device, dtype)
+    kv = torch.randn(2, 4, 16, kv_heads, head_dim, generator=g).to(device, dtype)
+    slots = torch.tensor([0, 17, -1, 63, 40], device=device)
+    pos = torch.tensor([0, 3, 9, 700, 5000], device=device).float()
+    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = pos[:, None] * inv[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    rotated = rotary_ref(qkv[:, : heads + kv_heads], cos, sin)
+    want_kv = kv.clone()
+    keep = slots >= 0
+    write_kv(want_kv, rotated[keep, heads:], qkv[keep, heads + kv_heads :], slots[keep])
+    rotary_store_(qkv, heads, kv_heads, cos, sin, kv, slots)
+    _close(qkv[:, :heads], rotated[:, :heads].double(), dtype)
+    _close(kv, want_kv.double(), dtype)
+    untouched = torch.ones(2 * 4 * 16, dtype=torch.bool)
+    untouched[slots[keep].cpu()] = False
+    untouched[(slots[keep] + 64).cpu()] = False
+    assert torch.equal(kv.view(-1, kv_heads, head_dim)[untouched.to(device)],
+                       want_kv.view(-1, kv_heads, head_dim)[untouched.to(device)])

@@ -173,6 +173,8 @@ class Engine:
         self.model = self.executor = None
         if cuda:
             gc.collect()  # NOTE: CUDA graphs and their memory pool go only when collected
+            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                torch._C._cuda_clearCublasWorkspaces()  # NOTE: one per stream (capture used its own)
             torch.cuda.empty_cache()
 
     def _drain(self, block: bool) -> bool:

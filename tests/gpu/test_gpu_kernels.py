@@ -36,3 +36,11 @@ def test_elementwise_kernels_match_reference(dtype, hidden, inter):
     from kernel_cases import check_elementwise
 
     check_elementwise("cuda", dtype, rows=5, hidden=hidden, inter=inter)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (32, 8, 128), (9, 3, 64)])
+def test_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim):
+    from kernel_cases import check_rotary_store
+
+    check_rotary_store("cuda", dtype, heads, kv_heads, head_dim)

@@ -36,3 +36,9 @@ def test_elementwise_kernels_match_reference():
     from kernel_cases import check_elementwise
 
     check_elementwise("cpu", torch.float32)
+
+
+def test_rotary_store_matches_reference():
+    from kernel_cases import check_rotary_store
+
+    check_rotary_store("cpu", torch.float32)

@@ -94,6 +94,51 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         _rotary_kernel[(t, h)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=d // 2)
 
 
+@triton.jit
+def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, stride_t, stride_h, stride_c,
+                         stride_half, stride_slot, stride_head,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    base = QKV + t * stride_t + h * stride_h
+    x1 = tl.load(base + i)
+    x2 = tl.load(base + HALF + i)
+    c = tl.load(COS + t * stride_c + i)
+    s = tl.load(SIN + t * stride_c + i)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    r1, r2 = (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
+    if h < NUM_HEADS:
+        tl.store(base + i, r1)
+        tl.store(base + HALF + i, r2)
+    else:
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        if slot >= 0:
+            kvh = h - NUM_HEADS
+            dst = KV + slot * stride_slot + kvh * stride_head
+            tl.store(dst + i, r1)
+            tl.store(dst + HALF + i, r2)
+            v = QKV + t * stride_t + (h + NUM_KV_HEADS) * stride_h
+            tl.store(dst + stride_half + i, tl.load(v + i))
+            tl.store(dst + stride_half + HALF + i, tl.load(v + HALF + i))
+
+
+def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                  sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """One kernel for a fused qkv [tokens, heads + 2 * kv_heads, head_dim]: rotates the q heads in
+    place and writes the rotated k heads and the v heads into one layer's cache
+    [2, blocks, block_size, kv_heads, head_dim] at `slots` (negative: not written). The k heads
+    of qkv are left unrotated (attention reads k from the cache)."""
+    t, _, d = qkv.shape
+    flat = kv.view(2, -1, num_kv_heads, d)
+    if t:
+        _rotary_store_kernel[(t, num_heads + num_kv_heads)](
+            qkv, cos, sin, flat, slots, qkv.stride(0), qkv.stride(1), cos.stride(0),
+            flat.stride(0), flat.stride(1), flat.stride(2),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=d // 2,
+        )
+
+
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The same rotation (float32 math, one rounding) out of place; cos/sin as in rotary_."""
     half = x.shape[-1] // 2

@@ -15,7 +15,7 @@ from torch import nn
 from hsserve.attention_batch import AttentionBatch
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, store_kv
-from hsserve.kernels.elementwise import add_rmsnorm, rotary_, silu_mul
+from hsserve.kernels.elementwise import add_rmsnorm, rotary_, rotary_store_, silu_mul
 from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
 from hsserve.models.spec import ModelSpec
@@ -72,6 +72,11 @@ class Attention(nn.Module):
     def forward(self, x, rope: Rotary, batch: AttentionBatch, kv):
         qkv = self.qkv(x).view(len(x), -1, self.head_dim)
         h, kvh = self.num_heads, self.num_kv_heads
+        if rope.fused and batch.kernels and self.q_norm is None:
+            # NOTE: one kernel rotates q and k and writes k and v into the cache
+            rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping)
+            o = attend(qkv[:, :h], kv, batch, self.scale, self.window)
+            return self.o_proj(o.reshape(len(x), -1))
         if self.q_norm is not None:
             q, k = self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])
             q, k = rope.apply(q), rope.apply(k)
