@@ -32,6 +32,33 @@ def hidden_of(client, model: str, prompt: str, layers: list[int], max_tokens: in
     return result.as_numpy("HIDDEN_STATES")[0]
 
 
+def progress(done: int, total: int, width: int = 30) -> None:
+    """A one-line progress bar on stderr, redrawn when the percentage moves."""
+    if done and done != total and 100 * done // total == 100 * (done - 1) // total:
+        return
+    filled = width * done // max(total, 1)
+    bar = "#" * filled + "." * (width - filled)
+    end = "\n" if done == total else ""
+    print(f"\r[{bar}] {done}/{total} ({100 * done // max(total, 1)}%)", end=end, file=sys.stderr,
+          flush=True)
+
+
+def extract(url: str, model: str, prompts: list[str], layers: list[int], max_tokens: int = 0,
+            concurrency: int = 4) -> np.ndarray:
+    """[len(prompts), hidden_size * len(layers)] float32, in prompt order."""
+    client = grpcclient.InferenceServerClient(url)
+    rows: list[np.ndarray | None] = [None] * len(prompts)
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        futures = {pool.submit(hidden_of, client, model, p, layers, max_tokens): i
+                   for i, p in enumerate(prompts)}
+        progress(0, len(prompts))
+        for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            rows[futures[fut]] = fut.result()
+            progress(done, len(prompts))
+    client.close()
+    return np.stack(rows).astype(np.float32)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("prompts", help="text file, one prompt per line")
@@ -45,16 +72,7 @@ def main() -> int:
 
     with open(args.prompts) as f:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
-    client = grpcclient.InferenceServerClient(args.url)
-    rows: list[np.ndarray | None] = [None] * len(prompts)
-    with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
-        futures = {pool.submit(hidden_of, client, args.model, p, args.layers, args.max_tokens): i
-                   for i, p in enumerate(prompts)}
-        for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-            rows[futures[fut]] = fut.result()
-            print(f"\r{done}/{len(prompts)} prompts", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    out = np.stack(rows).astype(np.float32)
+    out = extract(args.url, args.model, prompts, args.layers, args.max_tokens, args.concurrency)
     np.save(args.output, out)
     print(f"wrote {args.output}: shape {out.shape}")
     return 0

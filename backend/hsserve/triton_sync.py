@@ -31,6 +31,22 @@ def _join(name: str, tensors: list):
     return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(torch.cat(parts)))
 
 
+_DEFAULT_TYPES = {"MODE": np.object_, "hidden_layers": np.int32, "max_tokens": np.int32,
+                  "temperature": np.float32}
+
+
+def _default_inputs(values: dict) -> dict[str, np.ndarray]:
+    out = {}
+    for name, value in values.items():
+        if name not in _DEFAULT_TYPES:
+            raise ValueError(f"default_inputs: {name!r} not supported; allowed: {sorted(_DEFAULT_TYPES)}")
+        items = value if isinstance(value, list) else [value]
+        if _DEFAULT_TYPES[name] is np.object_:
+            items = [str(v).encode() for v in items]
+        out[name] = np.array(items, dtype=_DEFAULT_TYPES[name])
+    return out
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         global pb_utils
@@ -40,6 +56,9 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.target = params.get("target_model", _TARGET)
+        # NOTE: inputs this front adds when a request lacks them (llm_sync_last: MODE=last for
+        # the classifier ensemble; an ensemble cannot feed constant inputs itself)
+        self.defaults = _default_inputs(json.loads(params.get("default_inputs", "") or "{}"))
 
     def execute(self, requests):
         return [self._forward(r) for r in requests]
@@ -57,6 +76,8 @@ class TritonPythonModel:
                 f"the decoupled {self.target} model, whose responses carry sequence_index",
                 pb_utils.TritonError.INVALID_ARG))
         inputs = [t for t in given if t.name() != "stream"]
+        names = {t.name() for t in given}
+        inputs += [pb_utils.Tensor(k, v) for k, v in self.defaults.items() if k not in names]
         inputs.append(pb_utils.Tensor("stream", np.array([False])))
         bls = pb_utils.InferenceRequest(
             model_name=self.target,

@@ -66,7 +66,8 @@ def triton_server(tmp_path_factory, smollm_dir):
     repo = make_repository(root, smollm_dir)
     server = start_server(repo, log_path=os.path.join(root, "server.log"))
     try:
-        server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped"))
+        server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped", "llm_sync_last", "hidden_classifier",
+                                                   "llm_classifier"))
         yield server
     finally:
         server.stop()

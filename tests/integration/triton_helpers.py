@@ -61,10 +61,15 @@ class Streamed:
 
 OUTPUT_NAMES = ("text_output", "output_ids", "HIDDEN_STATES", "finish_reason", "num_input_tokens",
                 "num_output_tokens", "sequence_index")
+CLASSIFIER_OUTPUTS = ("text_output", "output_ids", "PROBABILITIES", "LABEL")
 
 
-def _as_dict(result) -> dict[str, np.ndarray]:
-    return {n: result.as_numpy(n) for n in OUTPUT_NAMES}
+def outputs_of(model: str) -> tuple[str, ...]:
+    return CLASSIFIER_OUTPUTS if model == "llm_classifier" else OUTPUT_NAMES
+
+
+def _as_dict(result, names=OUTPUT_NAMES) -> dict[str, np.ndarray]:
+    return {n: result.as_numpy(n) for n in names}
 
 
 class GrpcStream:
@@ -88,7 +93,7 @@ class GrpcStream:
                 out.error = error
                 return out
             response = result.get_response()
-            data = {n: result.as_numpy(n) for n in OUTPUT_NAMES}
+            data = {n: result.as_numpy(n) for n in OUTPUT_NAMES + CLASSIFIER_OUTPUTS}
             if any(v is not None for v in data.values()):
                 out.responses.append(data)
             if response.parameters["triton_final_response"].bool_param:
@@ -110,13 +115,14 @@ def stream_once(url: str, fields: dict, raw=None, model: str = "llm") -> Streame
 
 def unary_http(url: str, fields: dict, model: str = "llm_sync"):
     client = httpclient.InferenceServerClient(url)
-    outputs = [httpclient.InferRequestedOutput(n, binary_data=True) for n in OUTPUT_NAMES]
-    return _as_dict(client.infer(model, infer_inputs(httpclient, fields), outputs=outputs))
+    names = outputs_of(model)
+    outputs = [httpclient.InferRequestedOutput(n, binary_data=True) for n in names]
+    return _as_dict(client.infer(model, infer_inputs(httpclient, fields), outputs=outputs), names)
 
 
 def unary_grpc(url: str, fields: dict, model: str = "llm_sync"):
     client = grpcclient.InferenceServerClient(url)
-    return _as_dict(client.infer(model, infer_inputs(grpcclient, fields)))
+    return _as_dict(client.infer(model, infer_inputs(grpcclient, fields)), outputs_of(model))
 
 
 def metrics(http_metrics_url: str) -> dict[str, float]:
