@@ -4,6 +4,7 @@ from hsserve.config import EngineConfig
 from hsserve.engine import Engine
 from hsserve.request import (
     Delta,
+    EngineUnavailable,
     FinishReason,
     GenerationRequest,
     HiddenStatesMode,
@@ -15,6 +16,7 @@ from hsserve.request_stream import RequestStream, Result
 __all__ = [
     "Delta",
     "Engine",
+    "EngineUnavailable",
     "EngineConfig",
     "FinishReason",
     "GenerationRequest",

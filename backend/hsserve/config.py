@@ -27,6 +27,8 @@ class EngineConfig:
     # NOTE: None = every layer 0..L; else HF hidden_states indices (negative from the end).
     hidden_layers_captured: tuple[int, ...] | None = None
     max_num_seqs: int = 64
+    # NOTE: requests in flight beyond max_num_seqs; one more is refused (UNAVAILABLE)
+    max_queue_size: int = 256
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_prompt_tokens: int = 0  # 0 = max_model_len
     max_tokens_limit: int = 4096
@@ -51,7 +53,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_tokens_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "max_prompt_tokens", "num_kv_blocks", "num_threads"):
+        for name in ("max_model_len", "max_prompt_tokens", "num_kv_blocks", "num_threads",
+                     "max_queue_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -18,10 +18,18 @@ from hsserve.config import EngineConfig
 from hsserve.admission import Admission
 from hsserve.engine_setup import EngineParts, build_engine_parts
 from hsserve.executor import StepOutput
-from hsserve.request import Delta, FinishReason, GenerationRequest, HiddenStatesMode, RequestError
+from hsserve.request import (
+    Delta,
+    EngineUnavailable,
+    FinishReason,
+    GenerationRequest,
+    HiddenStatesMode,
+    RequestError,
+)
 from hsserve.request_stream import RequestStream
 from hsserve.scheduler import Chunk
 from hsserve.sequence import Sequence, Status
+from hsserve.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,7 @@ class Engine:
         self._active_ids: set[str] = set()
         self._arrivals = 0
         self.num_steps = 0
+        self.stats = EngineStats()
         self.num_mixed_steps = 0  # steps that ran prefill and decode together
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -50,6 +59,7 @@ class Engine:
         )
         self._started = False
         self._stopped = False
+        self._dead = False  # NOTE: the loop thread ended without being asked to
 
     def _install(self, p: EngineParts) -> None:
         self.spec, self.model, self.tokenizer = p.spec, p.model, p.tokenizer
@@ -75,18 +85,32 @@ class Engine:
         return self
 
     def submit(self, request: GenerationRequest, sink: Sink | None = None) -> Sink:
-        """Validate and enqueue; raises RequestError naming the bad input. Returns the sink."""
-        if self._stopped or not self._started:
-            raise RuntimeError("the engine is not running")
+        """Validate and enqueue; raises RequestError naming the bad input, EngineUnavailable when
+        the queue is full or the engine is not serving. Returns the sink."""
+        if not self.healthy:
+            why = f": {self.error!r}" if self.error is not None and self._dead else ""
+            raise EngineUnavailable(f"the engine is not serving{why}")
         seqs = self._admission.make_sequences(request, sink or RequestStream(request.request_id))
         with self._ids_lock:
             if request.request_id in self._active_ids:
                 raise RequestError("request_id", f"{request.request_id!r} is already in flight")
+            limit = self.config.max_num_seqs + self.config.max_queue_size
+            if len(self._active_ids) >= limit:
+                raise EngineUnavailable(
+                    f"the queue is full: {len(self._active_ids)} requests in flight (max_num_seqs "
+                    f"{self.config.max_num_seqs} + max_queue_size {self.config.max_queue_size}); "
+                    "retry later"
+                )
             self._active_ids.add(request.request_id)
+            if self._dead or self._stopped:
+                self._active_ids.discard(request.request_id)
+                raise EngineUnavailable("the engine is not serving")
+            now = EngineStats.now()
             for seq in seqs:
                 self._arrivals += 1
                 seq.arrival = self._arrivals
-        self._inbox.put(("add", seqs))
+                seq.t_submit = seq.t_last = now
+            self._inbox.put(("add", seqs))
         return seqs[0].sink
 
     def abort(self, request_id: str) -> None:
@@ -120,6 +144,11 @@ class Engine:
         return self._thread.name
 
     @property
+    def healthy(self) -> bool:
+        """Serving: started, not stopped, and the loop thread alive."""
+        return self._started and not self._stopped and not self._dead and self._thread.is_alive()
+
+    @property
     def num_graph_captures(self) -> int:
         """CUDA graphs captured (all at start; the number never grows while serving)."""
         graphs = self.executor.graphs if self.executor is not None else None
@@ -150,6 +179,7 @@ class Engine:
         self._loop()
 
     def _loop(self) -> None:
+        clean = False
         try:
             while True:
                 if not self._drain(block=not self.scheduler.has_work()):
@@ -163,9 +193,26 @@ class Engine:
                         self._fail_all(f"engine step failed: {e!r}")
                 else:
                     self.pool.check_invariants()
+            clean = True
+        except BaseException as e:  # noqa: BLE001 - the loop died: say why to everyone waiting
+            log.exception("engine loop died")
+            self.error = e
         finally:
-            self._fail_all("the engine shut down")
+            with self._ids_lock:  # NOTE: submit() enqueues under this lock, so nothing is missed
+                self._dead = not clean
+                self._drain_unprocessed()
+            self._fail_all("the engine shut down" if clean else f"the engine stopped: {self.error!r}")
             self._release()
+
+    def _drain_unprocessed(self) -> None:
+        """Requests still in the inbox are registered so that _fail_all ends them too."""
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg is not _STOP and msg[0] == "add":
+                self._seqs[msg[1][0].request_id] = msg[1]
 
     def _release(self) -> None:
         """Drop the weights and the KV cache so their memory returns (the pool's ids stay)."""
@@ -202,6 +249,7 @@ class Engine:
 
     def _add(self, seqs: list[Sequence]) -> None:
         self._seqs[seqs[0].request_id] = seqs
+        self.stats.prompt_tokens += seqs[0].num_prompt_tokens
         for seq in seqs:
             if seq.finish_reason is not None and not seq.wants_rows:
                 self._finish(seq)  # NOTE: prompt only and no rows asked: nothing to compute
@@ -248,6 +296,10 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
+        now = EngineStats.now()
+        self.stats.generation_tokens += 1
+        (self.stats.ttft if seq.num_generated == 1 else self.stats.itl).append(now - seq.t_last)
+        seq.t_last = now
         sp = seq.sampling
         stopped = False
         if seq.detokenizer is not None:
@@ -306,6 +358,8 @@ class Engine:
         self.scheduler.finish(seq)
         seq.group.num_finished += 1
         if seq.group.done:
+            self.stats.requests_finished += 1
+            self.stats.latency.append(EngineStats.now() - seq.t_submit)
             self._seqs.pop(seq.request_id, None)
             with self._ids_lock:
                 self._active_ids.discard(seq.request_id)

@@ -16,6 +16,11 @@ class RequestError(ValueError):
         self.input_name = input_name
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take a request now (queue full, stopping, or its loop died): retry later
+    or elsewhere; Triton answers UNAVAILABLE."""
+
+
 class HiddenStatesMode(enum.IntEnum):
     """Ordered so that a request mode is allowed iff mode <= server ceiling."""
 

@@ -59,6 +59,8 @@ class Sequence:
         self.sink = sink
         self.arrival = arrival
         self.status = Status.WAITING
+        self.t_submit = 0.0  # engine clock (monotonic) at submit
+        self.t_last = 0.0  # when its last token came (the submit time before the first)
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V is in the cache
         self.block_hashes: list[bytes] = []  # chain hashes of full blocks of token_ids

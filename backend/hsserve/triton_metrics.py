@@ -1,8 +1,10 @@
-"""Prometheus gauges and counters through the Python backend's metrics API, refreshed off the
-hot path (the engine's own counters are read and the counters advanced by the difference)."""
+"""Prometheus metrics through the Python backend's metrics API, labelled by model + version,
+refreshed off the hot path by the adapter's watcher thread: gauges are set, counters advanced by
+what the engine counted since the last refresh, histograms fed the latencies it recorded."""
 
 from __future__ import annotations
 
+from hsserve.stats import EngineStats
 
 _GAUGES = {
     "running": ("llm_requests_running", "Sequences being computed by the engine"),
@@ -11,24 +13,43 @@ _GAUGES = {
     "blocks_total": ("llm_kv_blocks_total", "KV-cache blocks in the pool"),
     "blocks_cached": ("llm_kv_blocks_cached", "KV-cache blocks indexed by the prefix cache"),
 }
-_COUNTERS = {
-    "query_tokens": ("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
-    "hit_tokens": ("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
+_COUNTERS = {  # key -> (name, description, how to read the engine's running total)
+    "prompt_tokens": ("llm_prompt_tokens_total", "Prompt tokens of admitted requests",
+                      lambda e: e.stats.prompt_tokens),
+    "generation_tokens": ("llm_generation_tokens_total", "Tokens generated",
+                          lambda e: e.stats.generation_tokens),
+    "query_tokens": ("llm_prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache",
+                     lambda e: e.pool.num_query_tokens),
+    "hit_tokens": ("llm_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache",
+                   lambda e: e.pool.num_hit_tokens),
+    "graph_captures": ("llm_graph_captures_total", "CUDA graphs captured (all at start)",
+                       lambda e: e.num_graph_captures),
+}
+_HISTOGRAMS = {  # key -> (name, description, buckets in seconds, the engine's observations)
+    "ttft": ("llm_time_to_first_token_seconds", "Submit to first generated token",
+             [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60], lambda e: e.stats.ttft),
+    "itl": ("llm_inter_token_latency_seconds", "Between consecutive tokens of a sequence",
+            [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5], lambda e: e.stats.itl),
+    "latency": ("llm_request_latency_seconds", "Submit to the request's last response",
+                [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300], lambda e: e.stats.latency),
 }
 
 
-class EngineGauges:
-    """The engine's gauges and counters (names above), labelled by model + version."""
-
+class EngineMetrics:
     def __init__(self, pb_utils, labels: dict[str, str]):
-        kinds = {**{k: pb_utils.MetricFamily.GAUGE for k in _GAUGES},
-                 **{k: pb_utils.MetricFamily.COUNTER for k in _COUNTERS}}
-        # NOTE: a family must outlive its metrics: both are kept
-        self._families = {
-            key: pb_utils.MetricFamily(name=n, description=d, kind=kinds[key])
-            for key, (n, d) in {**_GAUGES, **_COUNTERS}.items()
-        }
-        self._metrics = {key: f.Metric(labels=labels) for key, f in self._families.items()}
+        fam = pb_utils.MetricFamily
+        self._families, self._metrics = {}, {}  # NOTE: a family must outlive its metrics
+        for key, (name, desc) in _GAUGES.items():
+            self._families[key] = fam(name=name, description=desc, kind=fam.GAUGE)
+            self._metrics[key] = self._families[key].Metric(labels=labels)
+        for key, (name, desc, _) in _COUNTERS.items():
+            self._families[key] = fam(name=name, description=desc, kind=fam.COUNTER)
+            self._metrics[key] = self._families[key].Metric(labels=labels)
+        self.histograms = hasattr(fam, "HISTOGRAM")  # NOTE: python_backend >= 24.08
+        if self.histograms:
+            for key, (name, desc, buckets, _) in _HISTOGRAMS.items():
+                self._families[key] = fam(name=name, description=desc, kind=fam.HISTOGRAM)
+                self._metrics[key] = self._families[key].Metric(labels=labels, buckets=buckets)
         self._counted = dict.fromkeys(_COUNTERS, 0)
 
     def refresh(self, engine) -> None:
@@ -38,7 +59,12 @@ class EngineGauges:
         m["blocks_used"].set(pool.num_used)
         m["blocks_total"].set(pool.num_blocks)
         m["blocks_cached"].set(pool.num_cached)
-        for key, now in (("query_tokens", pool.num_query_tokens), ("hit_tokens", pool.num_hit_tokens)):
+        for key, (_, _, read) in _COUNTERS.items():
+            now = read(engine)
             if now > self._counted[key]:
                 m[key].increment(now - self._counted[key])
                 self._counted[key] = now
+        if self.histograms:
+            for key, (_, _, _, observations) in _HISTOGRAMS.items():
+                for value in EngineStats.drain(observations(engine)):
+                    m[key].observe(value)

@@ -3,7 +3,7 @@
 Threads (STYLE 11): Triton's execute() validates, submits and returns at once; the engine's loop
 thread computes and puts deltas into the outbox; the sender thread drains the outbox, coalesces
 what piled up per request and calls send(); the watcher thread polls client cancellation at a
-bounded rate, turns it into engine aborts, and refreshes the gauges. finalize() stops the engine (in-flight requests get
+bounded rate, turns it into engine aborts, and refreshes the metrics. finalize() stops the engine (in-flight requests get
 an error), then the sender, then the watcher.
 """
 
@@ -21,10 +21,10 @@ import torch
 
 from hsserve.config import DEFAULT_MODEL, EngineConfig
 from hsserve.engine import Engine
-from hsserve.request import Delta, FinishReason, RequestError
+from hsserve.request import Delta, EngineUnavailable, FinishReason, RequestError
 from hsserve.triton_io import INPUTS, parse_request
 from hsserve.server_state import ServerWatch, http_ready_url
-from hsserve.triton_metrics import EngineGauges
+from hsserve.triton_metrics import EngineMetrics
 
 pb_utils = None  # NOTE: bound in initialize(); the module imports without Triton
 _STOP = None
@@ -75,7 +75,7 @@ class TritonPythonModel:
         self.default_max_tokens = config.default_max_tokens
         self._server_watch = ServerWatch(http_ready_url())
         self._shutting_down = False
-        self.gauges = EngineGauges(
+        self.metrics = EngineMetrics(
             pb_utils, {"model": args["model_name"], "version": str(args["model_version"])}
         )
         self._inflight: dict[str, _Inflight] = {}
@@ -117,6 +117,9 @@ class TritonPythonModel:
             except RequestError as e:
                 self._forget(rid)
                 self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            except EngineUnavailable as e:
+                self._forget(rid)
+                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
             except Exception as e:  # noqa: BLE001 - never let one request break the batch
                 self._forget(rid)
                 code = pb_utils.TritonError.UNAVAILABLE if self._stopping.is_set() else None
@@ -134,6 +137,11 @@ class TritonPythonModel:
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as e:  # noqa: BLE001 - the client may be gone
             self.logger.log_warn(f"hsserve: could not send an error response: {e}")
+
+    def is_ready(self) -> bool:
+        """Model readiness, for python_backend releases that ask the model (a user-defined
+        is_ready(), added in 2026); false once the engine's loop has died."""
+        return self.engine.healthy
 
     # ---- sender thread ------------------------------------------------------------------------
 
@@ -213,7 +221,7 @@ class TritonPythonModel:
             if self._shutting_down:  # NOTE: no more calls into a backend that is unloading
                 return
             try:
-                self.gauges.refresh(self.engine)
+                self.metrics.refresh(self.engine)
             except Exception as e:  # noqa: BLE001 - metrics must never stop cancellation
                 self.logger.log_warn(f"hsserve: metrics refresh failed: {e}")
             self._poll_cancellations()

@@ -254,16 +254,16 @@ def test_n_completions_tagged_by_sequence_index(triton_server, smollm_engine, st
 
 def test_prefix_cache_counters_advance_on_a_repeated_prompt(triton_server):
     url = f"http://127.0.0.1:{triton_server.ports.metrics}/metrics"
-    before = metrics(url).get("llm_prefix_cache_hits_total", 0.0)
+    before = metrics(url).get("llm_prefix_cache_hit_tokens_total", 0.0)
     fields = dict(text_input="A long shared system prompt. " * 8 + "Hi", max_tokens=2, temperature=0.0)
     first = stream_once(triton_server.grpc_url, fields)
     second = stream_once(triton_server.grpc_url, fields)
     assert first.error is None and second.error is None
     assert first.cat("output_ids").tolist() == second.cat("output_ids").tolist()
     deadline = time.time() + 5
-    while metrics(url).get("llm_prefix_cache_hits_total", 0.0) <= before and time.time() < deadline:
+    while metrics(url).get("llm_prefix_cache_hit_tokens_total", 0.0) <= before and time.time() < deadline:
         time.sleep(0.1)
     m = metrics(url)
-    assert m["llm_prefix_cache_hits_total"] >= before + 16, m
-    assert m["llm_prefix_cache_queries_total"] >= m["llm_prefix_cache_hits_total"]
+    assert m["llm_prefix_cache_hit_tokens_total"] >= before + 16, m
+    assert m["llm_prefix_cache_query_tokens_total"] >= m["llm_prefix_cache_hit_tokens_total"]
     assert m["llm_kv_blocks_cached"] >= 1

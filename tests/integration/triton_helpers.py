@@ -125,14 +125,18 @@ def unary_grpc(url: str, fields: dict, model: str = "llm_sync"):
     return _as_dict(client.infer(model, infer_inputs(grpcclient, fields)), outputs_of(model))
 
 
-def metrics(http_metrics_url: str) -> dict[str, float]:
-    """Our gauges (llm_*), summed over labels."""
+def metrics(http_metrics_url: str, model: str | None = None) -> dict[str, float]:
+    """Our metrics (llm_*), summed over labels, or those of one model; histograms appear as
+    their _count and _sum (buckets are left out)."""
     text = urllib.request.urlopen(http_metrics_url, timeout=10).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("llm_"):
-            name = line.split("{")[0].split(" ")[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if not line.startswith("llm_") or "_bucket{" in line:
+            continue
+        if model is not None and f'model="{model}"' not in line:
+            continue
+        name = line.split("{")[0].split(" ")[0]
+        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
