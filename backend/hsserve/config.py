@@ -40,6 +40,9 @@ class EngineConfig:
     num_kv_blocks: int = 0  # >0 overrides the memory-derived size (tests, small pools)
     enable_prefix_caching: bool = True
     enable_cuda_graph: bool = True
+    # NOTE: Triton: when the server stops, requests in flight may finish for this long, then the
+    # rest end with UNAVAILABLE (keep it below tritonserver's --exit-timeout-secs)
+    drain_timeout_s: float = 5.0
     cache_dir: str = ""  # where the default model is converted; "" = ~/.cache/hsserve
     num_threads: int = 0  # CPU torch threads; 0 = torch's default
 
@@ -63,6 +66,8 @@ class EngineConfig:
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_num_seqs "
                 f"({self.max_num_seqs})"
             )
+        if not 0.0 <= self.drain_timeout_s <= 3600.0:
+            raise ConfigError(f"drain_timeout_s: {self.drain_timeout_s} must be in 0..3600")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError("kv_cache_memory_fraction: must be in (0, 1]")
         if not 0 <= self.default_max_tokens <= self.max_tokens_limit:

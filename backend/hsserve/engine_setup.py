@@ -97,11 +97,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         log.warning("KV pool holds %d tokens: max_model_len lowered from %d", blocks * bs, max_model_len)
         max_model_len = blocks * bs
     # NOTE: zeroed so that masked-out keys of padding blocks are finite (0 x NaN would be NaN);
-    # afterwards blocks only ever hold finite K/V.
-    kv_cache = torch.zeros(
+    # afterwards blocks only ever hold finite K/V. Written, not calloc'ed (torch.zeros): on the
+    # CPU every page is then resident from the start, so memory does not creep up as blocks are
+    # first used (and a leak shows as growth).
+    kv_cache = torch.empty(
         spec.num_layers, 2, blocks, bs, spec.num_kv_heads, spec.head_dim,
         dtype=model.embed.dtype, device=device,
-    )
+    ).zero_()
     pool = BlockPool(blocks, bs, enable_caching=config.enable_prefix_caching)
     log.info("model %s on %s (%s): %d KV blocks of %d tokens", folder, device, model.embed.dtype, blocks, bs)
     layers = captured_layers(config, spec)

@@ -41,6 +41,22 @@ class _Inflight:
     # non-streaming: each completion's deltas, gathered until it finishes
     deltas: dict[int, list[Delta]] = field(default_factory=dict)
     next_cancel_check: float = 0.0
+    # NOTE: once the final response is sent Triton frees the request, and asking its sender
+    # is_cancelled() then crashes tritonserver (seen: SIGSEGV in
+    # TRITONBACKEND_ResponseFactoryIsCancelled). The final send and every is_cancelled() call
+    # hold this lock, and nothing is asked after `finished`.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    finished: bool = False
+
+    def send_final(self, response) -> None:
+        with self.lock:
+            if not self.finished:
+                self.finished = True
+                self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def is_cancelled(self) -> bool:
+        with self.lock:
+            return not self.finished and self.sender.is_cancelled()
 
 
 def _tensor(name: str, value: torch.Tensor):
@@ -73,6 +89,7 @@ class TritonPythonModel:
         self.hidden_dtype = _HIDDEN_DTYPES[out["data_type"]] if out else torch.float32
         self.engine = Engine(config).start()  # NOTE: a load error is raised here, to Triton
         self.default_max_tokens = config.default_max_tokens
+        self.drain_timeout_s = config.drain_timeout_s
         self._server_watch = ServerWatch(http_ready_url())
         self._shutting_down = False
         self.metrics = EngineMetrics(
@@ -104,6 +121,7 @@ class TritonPythonModel:
             with self._lock:
                 self._counter += 1
                 rid = f"{request.request_id() or 'req'}#{self._counter}"
+            state = _Inflight(sender, stream=False)
             try:
                 tensors = {}
                 for name in INPUTS:
@@ -111,30 +129,30 @@ class TritonPythonModel:
                     if t is not None:
                         tensors[name] = t.as_numpy()
                 parsed = parse_request(rid, tensors, request.parameters(), self.default_max_tokens)
+                state.stream = parsed.stream
                 with self._lock:
-                    self._inflight[rid] = _Inflight(sender, parsed.stream)
+                    self._inflight[rid] = state
                 self.engine.submit(parsed.request, sink=self._outbox.put)
             except RequestError as e:
                 self._forget(rid)
-                self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+                self._send_error(state, str(e), pb_utils.TritonError.INVALID_ARG)
             except EngineUnavailable as e:
                 self._forget(rid)
-                self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+                self._send_error(state, str(e), pb_utils.TritonError.UNAVAILABLE)
             except Exception as e:  # noqa: BLE001 - never let one request break the batch
                 self._forget(rid)
                 code = pb_utils.TritonError.UNAVAILABLE if self._stopping.is_set() else None
-                self._send_error(sender, f"{type(e).__name__}: {e}", code)
+                self._send_error(state, f"{type(e).__name__}: {e}", code)
         return None
 
     def _forget(self, rid: str) -> _Inflight | None:
         with self._lock:
             return self._inflight.pop(rid, None)
 
-    def _send_error(self, sender, message: str, code=None) -> None:
+    def _send_error(self, state: _Inflight, message: str, code=None) -> None:
         err = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
         try:
-            sender.send(pb_utils.InferenceResponse(error=err),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            state.send_final(pb_utils.InferenceResponse(error=err))
         except Exception as e:  # noqa: BLE001 - the client may be gone
             self.logger.log_warn(f"hsserve: could not send an error response: {e}")
 
@@ -188,15 +206,14 @@ class TritonPythonModel:
                 self._forget(rid)
 
     def _send(self, state: _Inflight, delta: Delta) -> None:
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if delta.finish_reason == FinishReason.CANCELLED:
             err = pb_utils.TritonError("the request was cancelled", pb_utils.TritonError.CANCELLED)
-            state.sender.send(pb_utils.InferenceResponse(error=err), flags=final)
+            state.send_final(pb_utils.InferenceResponse(error=err))
             return
         if delta.finish_reason == FinishReason.ERROR:
             code = pb_utils.TritonError.UNAVAILABLE if self._shutting_down else pb_utils.TritonError.INTERNAL
             err = pb_utils.TritonError(delta.error or "the engine failed", code)
-            state.sender.send(pb_utils.InferenceResponse(error=err), flags=final)
+            state.send_final(pb_utils.InferenceResponse(error=err))
             return
         outputs = [
             _strings("text_output", [delta.text]),
@@ -211,8 +228,13 @@ class TritonPythonModel:
                 _tensor("num_input_tokens", torch.tensor([delta.num_input_tokens], dtype=torch.uint32)),
                 _tensor("num_output_tokens", torch.tensor([delta.num_output_tokens], dtype=torch.uint32)),
             ]
-        state.sender.send(pb_utils.InferenceResponse(output_tensors=outputs),
-                          flags=final if delta.request_done else 0)
+        response = pb_utils.InferenceResponse(output_tensors=outputs)
+        if delta.request_done:
+            state.send_final(response)
+        else:
+            with state.lock:
+                if not state.finished:
+                    state.sender.send(response, flags=0)
 
     # ---- cancellation watcher -----------------------------------------------------------------
 
@@ -229,12 +251,12 @@ class TritonPythonModel:
     def _poll_cancellations(self) -> None:
         now = time.monotonic()
         with self._lock:
-            due = [(rid, s.sender) for rid, s in self._inflight.items() if s.next_cancel_check <= now]
-            for rid, _ in due:
-                self._inflight[rid].next_cancel_check = now + _CANCEL_PER_REQUEST_S
-        for rid, sender in due:
+            due = [(rid, s) for rid, s in self._inflight.items() if s.next_cancel_check <= now]
+            for _, state in due:
+                state.next_cancel_check = now + _CANCEL_PER_REQUEST_S
+        for rid, state in due:
             try:
-                cancelled = sender.is_cancelled()
+                cancelled = state.is_cancelled()
             except Exception:  # noqa: BLE001 - a closed stream counts as cancelled
                 cancelled = True
             if cancelled:
@@ -244,13 +266,23 @@ class TritonPythonModel:
 
     def _stop_watch_loop(self) -> None:
         """Triton calls finalize() only after in-flight decoupled requests end (server_state.py):
-        when the server starts stopping they are ended here, with UNAVAILABLE. This thread makes
-        no call into the backend, which may be busy unloading other models by then."""
+        when the server starts stopping they may finish within drain_timeout_s, then the rest are
+        ended here, with UNAVAILABLE. This thread makes no call into the backend, which may be
+        busy unloading other models by then."""
         while not self._stopping.wait(_READY_POLL_S):
             if self._server_watch.stopping() and self._inflight:
                 self._shutting_down = True
-                self.logger.log_info("hsserve: server stopping; ending requests in flight")
-                self.engine.abort_all("the server is shutting down")
+                deadline = time.monotonic() + self.drain_timeout_s
+                self.logger.log_info(
+                    f"hsserve: server stopping; {len(self._inflight)} requests in flight may finish "
+                    f"within {self.drain_timeout_s} s"
+                )
+                while self._inflight and time.monotonic() < deadline:
+                    if self._stopping.wait(0.05):
+                        return
+                if self._inflight:
+                    self.logger.log_info(f"hsserve: ending {len(self._inflight)} requests in flight")
+                    self.engine.abort_all("the server is shutting down")
                 return
 
     def finalize(self) -> None:
@@ -265,4 +297,4 @@ class TritonPythonModel:
             left = list(self._inflight.values())
             self._inflight.clear()
         for state in left:
-            self._send_error(state.sender, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+            self._send_error(state, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)

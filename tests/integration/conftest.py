@@ -38,7 +38,7 @@ def make_repository(root: str, smollm_dir: str) -> str:
     set_parameter(cfg, "hidden_states_ceiling", "last")
     set_parameter(cfg, "hidden_layers_captured", "0 15 -1")
     set_parameter(cfg, "max_num_seqs", "4")
-    add_parameter(cfg, "max_queue_size", "4")  # NOTE: the overload test fills it
+    set_parameter(cfg, "max_queue_size", "4")  # NOTE: the overload test fills it
     with open(cfg) as f:  # NOTE: rows in bfloat16 (DLPack: numpy has no bfloat16)
         text = f.read().replace(
             'name: "HIDDEN_STATES", data_type: TYPE_FP32', 'name: "HIDDEN_STATES", data_type: TYPE_BF16'

@@ -1,5 +1,6 @@
-"""Stopping the server while requests stream: they end with an error at once, the server exits
-within its exit timeout, and no process is left behind."""
+"""Stopping the server while requests stream: a short one finishes within the drain period, the
+endless ones end with an error right after it, the server exits within its exit timeout, and no
+process is left behind."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import time
 
 import pytest
 
-from conftest import make_repository
+from conftest import add_parameter, make_repository
 from hsserve.server import start_server
 from triton_helpers import GrpcStream
 
 EXIT_TIMEOUT_S = 10
+DRAIN_S = 2.0
 
 
 def stub_processes(marker: str) -> list[str]:
@@ -26,6 +28,7 @@ def stopped_server(tmp_path_factory, smollm_dir):
     """Start a server, stream 3 endless requests, SIGTERM it; report what happened."""
     root = tmp_path_factory.mktemp("shutdown")
     repo = make_repository(str(root), smollm_dir)
+    add_parameter(os.path.join(repo, "llm", "config.pbtxt"), "drain_timeout_s", str(DRAIN_S))
     server = start_server(repo, log_path=str(root / "server.log"), exit_timeout_s=EXIT_TIMEOUT_S)
     marker = server.command.backend_dir or repo  # NOTE: each server's stubs run from its own dir
     try:
@@ -43,11 +46,15 @@ def stopped_server(tmp_path_factory, smollm_dir):
         # NOTE: the adapter counts a refused readiness probe as "stopping" only once the endpoint
         # has answered it (every 0.5 s): give it that first answer, as any real server has
         time.sleep(1.5)
+        short = GrpcStream(server.grpc_url)
+        short.send(dict(text_input="A short answer", max_tokens=6, ignore_eos=True, stream=True,
+                        temperature=0.0))
         t0 = time.time()
         server.process.send_signal(15)
+        drained = short.read(timeout=30)
         ended = [s.read(timeout=30) for s in streams]
         error_after = time.time() - t0
-        for s in streams:
+        for s in streams + [short]:
             s.close()
         try:
             server.process.wait(EXIT_TIMEOUT_S + 5)
@@ -55,20 +62,26 @@ def stopped_server(tmp_path_factory, smollm_dir):
         except subprocess.TimeoutExpired:
             exited_in_time = False
         server.stop(timeout=60)
-        yield dict(had_stubs=had_stubs, ended=ended, error_after=error_after,
+        yield dict(had_stubs=had_stubs, ended=ended, drained=drained, error_after=error_after,
                    exited_in_time=exited_in_time, stubs_left=stub_processes(marker), server=server)
     finally:
         server.stop()
 
 
-def test_streams_end_with_an_error_promptly(stopped_server):
+def test_a_short_request_finishes_within_the_drain_period(stopped_server):
+    got = stopped_server["drained"]
+    assert got.error is None, got.error
+    assert len(got.cat("output_ids")) == 6 and got.final("finish_reason")[0] == b"length"
+
+
+def test_streams_end_with_an_error_after_the_drain_period(stopped_server):
     for got in stopped_server["ended"]:
         assert got.error is not None, "a stream ended without an error"
         # NOTE: our UNAVAILABLE response, or (a race inside Triton) the gRPC endpoint closing
         # the stream first; either way the client learns it at once, not at the exit timeout
         message = got.error.message()
         assert "shutting down" in message or "GOAWAY" in message or "Socket closed" in message
-    assert stopped_server["error_after"] < 5.0
+    assert DRAIN_S <= stopped_server["error_after"] < DRAIN_S + 4.0
 
 
 def test_no_process_is_left(stopped_server):

@@ -22,6 +22,7 @@ def test_soak(triton_server, smollm_engine):
     assert outcomes.get("valid_failed", 0) == 0, outcomes
     assert outcomes.get("malformed_unclear", 0) == 0, outcomes
     assert outcomes["valid_ok"] == req["valid"]
+    print("stream retries", out["stream_retries"], out["stream_errors"])
     assert out["kv_blocks_in_use_after"] == 0 and out["requests_running_after"] == 0
     grown = out["rss"]["after_mb"] - out["rss"]["after_warmup_mb"]
     assert grown < 250, out["rss"]
