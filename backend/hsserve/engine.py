@@ -358,7 +358,6 @@ class Engine:
         self.scheduler.finish(seq)
         seq.group.num_finished += 1
         if seq.group.done:
-            self.stats.requests_finished += 1
             self.stats.latency.append(EngineStats.now() - seq.t_submit)
             self._seqs.pop(seq.request_id, None)
             with self._ids_lock:

@@ -38,6 +38,36 @@ def rows_to_capture(chunk: Chunk) -> range:
     return range(0)
 
 
+def sample_chunks(logits: torch.Tensor | None, chunks: list[Chunk]) -> list[int | None]:
+    """Per chunk the sampled token, or None; `logits` has one row per chunk that samples."""
+    sampling = [c for c in chunks if c.samples]
+    if not sampling:
+        return [None] * len(chunks)
+    it = iter(sample(
+        logits,
+        [c.seq.sampling for c in sampling],
+        [c.seq.seed for c in sampling],
+        [c.seq.num_generated for c in sampling],
+    ).tolist())
+    return [next(it) if c.samples else None for c in chunks]
+
+
+def split_rows(captured: torch.Tensor | None, layers: list[int], chunks: list[Chunk],
+               slices: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+    """Per chunk its rows [n, len(its layers) * hidden] float32 on the CPU, or None: chunk i owns
+    captured[first : first + n] ([rows, len(layers), hidden], `layers` in column order)."""
+    rows: list[torch.Tensor | None] = [None] * len(chunks)
+    if captured is None:
+        return rows
+    captured = captured.float().cpu()
+    column = {k: i for i, k in enumerate(layers)}
+    for i, (c, (first, n)) in enumerate(zip(chunks, slices)):
+        if n:
+            cols = [column[k] for k in c.seq.hidden_layers]
+            rows[i] = captured[first : first + n][:, cols].reshape(n, -1)
+    return rows
+
+
 class Executor:
     def __init__(self, model: Decoder, kv_cache: torch.Tensor, block_size: int):
         self.model = model
@@ -141,27 +171,12 @@ class Executor:
             self.kv_cache,
             capture,
         )
-        tokens: list[int | None] = [None] * len(chunks)
+        logits = None
         if logit_rows:
             logits = self.model.logits(hidden[torch.tensor(logit_rows, device=dev)])
-            sampling = [c for c in chunks if c.samples]
-            sampled = sample(
-                logits,
-                [c.seq.sampling for c in sampling],
-                [c.seq.seed for c in sampling],
-                [c.seq.num_generated for c in sampling],
-            ).tolist()
-            it = iter(sampled)
-            tokens = [next(it) if c.samples else None for c in chunks]
-        rows: list[torch.Tensor | None] = [None] * len(chunks)
-        if capture is not None:
-            captured = capture.out.float().cpu()
-            column = {k: i for i, k in enumerate(layers)}
-            for i, (c, (first, n)) in enumerate(zip(chunks, capture_slices)):
-                if n:
-                    cols = [column[k] for k in c.seq.hidden_layers]
-                    rows[i] = captured[first : first + n][:, cols].reshape(n, -1)
-        return StepOutput(tokens, rows, row_starts)
+        captured = capture.out if capture is not None else None
+        return StepOutput(sample_chunks(logits, chunks), split_rows(captured, layers, chunks,
+                                                                    capture_slices), row_starts)
 
     def _execute_graph(self, chunks: list[Chunk]) -> StepOutput:
         """A decode-only step through the captured graphs."""
@@ -176,23 +191,11 @@ class Executor:
             with_rows=any(len(w) for w in wanted),
         )
         sampling = [i for i, c in enumerate(chunks) if c.samples]
-        tokens: list[int | None] = [None] * len(chunks)
-        if sampling:
-            picked = logits if len(sampling) == len(chunks) else logits[torch.tensor(sampling, device=self.device)]
-            sampled = sample(
-                picked,
-                [chunks[i].seq.sampling for i in sampling],
-                [chunks[i].seq.seed for i in sampling],
-                [chunks[i].seq.num_generated for i in sampling],
-            ).tolist()
-            for i, t in zip(sampling, sampled):
-                tokens[i] = t
-        out_rows: list[torch.Tensor | None] = [None] * len(chunks)
-        keep = [i for i, w in enumerate(wanted) if len(w)]
-        if keep:
-            captured = rows[torch.tensor(keep, device=self.device)].float().cpu()
-            column = {k: j for j, k in enumerate(g.layers)}
-            for j, i in enumerate(keep):
-                cols = [column[k] for k in chunks[i].seq.hidden_layers]
-                out_rows[i] = captured[j, cols].reshape(1, -1)
-        return StepOutput(tokens, out_rows, [w.start for w in wanted])
+        if 0 < len(sampling) < len(chunks):
+            logits = logits[torch.tensor(sampling, device=self.device)]
+        keep = [i for i, w in enumerate(wanted) if len(w)]  # NOTE: only these rows leave the GPU
+        captured = rows[torch.tensor(keep, device=self.device)] if keep else None
+        position = {i: j for j, i in enumerate(keep)}
+        slices = [(position.get(i, 0), len(w)) for i, w in enumerate(wanted)]
+        return StepOutput(sample_chunks(logits, chunks), split_rows(captured, g.layers, chunks, slices),
+                          [w.start for w in wanted])

@@ -79,9 +79,11 @@ class Scheduler:
         for seq in list(self.waiting):
             if not budget or len(self.running) >= self.max_num_seqs:
                 break
-            if self._prefix_in_flight(seq):
+            hashes = self._usable_hashes(seq)
+            hits = self.pool.match(hashes)
+            if self._prefix_in_flight(seq, hashes, len(hits)):
                 continue
-            if not self._admit(seq):
+            if not self._admit(seq, hashes, hits):
                 break
             n = min(seq.num_uncomputed, budget)
             chunks.append(Chunk(seq, seq.num_computed, n))
@@ -101,18 +103,15 @@ class Scheduler:
         self._hash_blocks(seq, usable)
         return seq.block_hashes[:usable]
 
-    def _prefix_in_flight(self, seq: Sequence) -> bool:
+    def _prefix_in_flight(self, seq: Sequence, hashes: list[bytes], num_hits: int) -> bool:
         """True when the first block seq misses in the cache is being computed by another."""
-        hashes = self._usable_hashes(seq)
-        k = len(self.pool.match(hashes))
-        return k < len(hashes) and self._computing.get(hashes[k], seq) is not seq
+        return num_hits < len(hashes) and self._computing.get(hashes[num_hits], seq) is not seq
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Give a waiting sequence its cached prefix and fresh blocks for the rest, if they fit."""
+    def _admit(self, seq: Sequence, hashes: list[bytes], hits: list[int]) -> bool:
+        """Give a waiting sequence its cached prefix `hits` (blocks of `hashes`) and fresh blocks
+        for the rest, if they fit."""
         bs = self.pool.block_size
         fresh = seq.num_cached_tokens is None  # NOTE: first admission, not a recompute
-        hashes = self._usable_hashes(seq)
-        hits = self.pool.match(hashes)
         need = self.pool.blocks_for(seq.num_tokens) - len(hits)
         if need > self.pool.num_free - self.pool.num_free_among(hits):
             return False

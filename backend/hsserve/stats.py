@@ -17,7 +17,6 @@ class EngineStats:
     def __init__(self):
         self.prompt_tokens = 0  # per request (n completions share one prompt)
         self.generation_tokens = 0
-        self.requests_finished = 0
         self.ttft = deque(maxlen=_MAX_PENDING)  # seconds: submit -> first generated token
         self.itl = deque(maxlen=_MAX_PENDING)  # seconds between consecutive tokens of a sequence
         self.latency = deque(maxlen=_MAX_PENDING)  # seconds: submit -> request done

@@ -72,18 +72,26 @@ def add_rmsnorm_triton(x, residual, weight, eps):
 
 
 @triton.jit
-def _rotary_kernel(X, COS, SIN, stride_t, stride_h, stride_c, HALF: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+def _rotate(base, COS, SIN, t, stride_c, HALF: tl.constexpr):
+    """The two rotated halves of the head at `base` for token t (float32 math, one rounding)."""
     i = tl.arange(0, HALF)
-    base = X + t * stride_t + h * stride_h
     x1 = tl.load(base + i)
     x2 = tl.load(base + HALF + i)
     c = tl.load(COS + t * stride_c + i)
     s = tl.load(SIN + t * stride_c + i)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base + i, (a * c - b * s).to(x1.dtype))
-    tl.store(base + HALF + i, (b * c + a * s).to(x1.dtype))
+    return (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
+
+
+@triton.jit
+def _rotary_kernel(X, COS, SIN, stride_t, stride_h, stride_c, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    base = X + t * stride_t + h * stride_h
+    r1, r2 = _rotate(base, COS, SIN, t, stride_c, HALF)
+    tl.store(base + i, r1)
+    tl.store(base + HALF + i, r2)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -102,12 +110,7 @@ def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, stride_t, stride_h, stride_c,
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
     base = QKV + t * stride_t + h * stride_h
-    x1 = tl.load(base + i)
-    x2 = tl.load(base + HALF + i)
-    c = tl.load(COS + t * stride_c + i)
-    s = tl.load(SIN + t * stride_c + i)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    r1, r2 = (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
+    r1, r2 = _rotate(base, COS, SIN, t, stride_c, HALF)
     if h < NUM_HEADS:
         tl.store(base + i, r1)
         tl.store(base + HALF + i, r2)
