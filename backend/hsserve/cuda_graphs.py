@@ -70,7 +70,7 @@ class DecodeGraphs:
             capture = HiddenCapture(self.layers, None, spec.hidden_size, self.model.embed.dtype,
                                     out=self.rows[:size])
         hidden = self.model(self.ids[:size], self.positions[:size], batch, self.kv_cache, capture)
-        self.logits[:size].copy_(self.model.logits(hidden))
+        self.model.logits(hidden, out=self.logits[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -44,3 +44,14 @@ def test_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim):
     from kernel_cases import check_rotary_store
 
     check_rotary_store("cuda", dtype, heads, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("hidden, heads, kv_heads, head_dim", [(2048, 32, 8, 64), (576, 9, 3, 64),
+                                                               (4096, 32, 8, 128)])
+def test_fused_linear_kernels_match_reference(dtype, rows, hidden, heads, kv_heads, head_dim):
+    from kernel_cases import check_fused_linear
+
+    check_fused_linear("cuda", dtype, rows=rows, hidden=hidden, inter=3 * hidden // 2 + 8,
+                       heads=heads, kv_heads=kv_heads, head_dim=head_dim, bias=rows != 7)

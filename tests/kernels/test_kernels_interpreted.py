@@ -42,3 +42,10 @@ def test_rotary_store_matches_reference():
     from kernel_cases import check_rotary_store
 
     check_rotary_store("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_fused_linear_kernels_match_reference(rows):
+    from kernel_cases import check_fused_linear
+
+    check_fused_linear("cpu", torch.float32, rows=rows, bias=rows == 3)

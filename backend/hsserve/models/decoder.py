@@ -15,6 +15,7 @@ from torch import nn
 from hsserve.attention_batch import AttentionBatch
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, store_kv
+from hsserve.kernels import fused_linear
 from hsserve.kernels.elementwise import add_rmsnorm, rotary_, rotary_store_, silu_mul
 from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
@@ -106,16 +107,32 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, residual, rope, batch, kv):
+    def forward(self, x, residual, rope, batch, kv, fused: bool = False):
         """x: the previous layer's MLP output (the embeddings for the first layer, residual None).
         Returns (this layer's MLP output, the residual stream before it is added): the add is
-        fused into the next norm."""
+        fused into the next norm. `fused`: a small decode batch on CUDA (see forward_fused)."""
+        if fused:
+            return self.forward_fused(x, residual, rope, batch, kv)
         if residual is None:
             h, residual = self.input_norm(x), x
         else:
             h, residual = self.input_norm(x, residual)
         h, residual = self.post_attn_norm(self.attn(h, rope, batch, kv), residual)
         return self.mlp(h), residual
+
+    def forward_fused(self, x, residual, rope, batch, kv):
+        """The same layer in 6 launches (kernels/fused_linear.py): norm + qkv + rotary + cache
+        write, attention (2), o_proj, norm + gate_up + SiLU-mul, down."""
+        a, eps = self.attn, self.input_norm.eps
+        q, residual = fused_linear.norm_qkv_rope_store(
+            x, residual, self.input_norm.weight, eps, a.qkv.weight, a.qkv.bias, rope.cos, rope.sin,
+            kv, batch.slot_mapping, a.num_heads, a.num_kv_heads, a.head_dim,
+        )
+        o = fused_linear.linear(attend(q, kv, batch, a.scale, a.window).view(len(x), -1),
+                                a.o_proj.weight, a.o_proj.bias)
+        h, residual = fused_linear.norm_gate_up_silu(o, residual, self.post_attn_norm.weight,
+                                                     self.post_attn_norm.eps, self.mlp.gate_up.weight)
+        return fused_linear.linear(h, self.mlp.down.weight), residual
 
 
 class Decoder(nn.Module):
@@ -152,8 +169,9 @@ class Decoder(nn.Module):
             capture.take(0, x)
         last = len(self.layers)
         residual = None
+        fused = self.fused_decode(batch, len(input_ids))
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, batch, kv_cache[i])
+            x, residual = layer(x, residual, rope, batch, kv_cache[i], fused)
             if capture is not None and i + 1 < last and capture.wants(i + 1):
                 capture.take(i + 1, residual + x)  # NOTE: the layer's output, as the next norm sees it
         x, _ = self.norm(x, residual)
@@ -161,5 +179,16 @@ class Decoder(nn.Module):
             capture.take(last, x)
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def fused_decode(self, batch: AttentionBatch, rows: int) -> bool:
+        """Whether a decode batch runs through the fused small-batch kernels (CUDA, no q/k norm)."""
+        return (batch.kernels and batch.all_decode and rows <= fused_linear.MAX_ROWS
+                and not self.spec.qk_norm)
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [rows, vocab], written into `out` when given."""
+        if hidden.is_cuda and len(hidden) <= fused_linear.MAX_ROWS:  # NOTE: float32 straight out
+            if out is None:
+                out = torch.empty(len(hidden), self.spec.vocab_size, device=hidden.device)
+            return fused_linear.linear(hidden, self.lm_head.weight, self.lm_head.bias, out=out)
+        logits = self.lm_head(hidden).float()
+        return logits if out is None else out.copy_(logits)

@@ -1,0 +1,50 @@
+"""Where a decode step's GPU time goes: kernels by name (torch profiler, CUDA graphs included) for
+the Llama-3.2-1B shape with random weights, at the batch sizes given, over one 128-token run.
+
+    python bench/gpu_profile.py [--batches 1 64] [--shape llama-1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_decode import NEW, engine_run, make_engine  # noqa: E402
+from shapes import random_model  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--shape", default="llama-1b")
+    ap.add_argument("--top", type=int, default=22)
+    args = ap.parse_args()
+    folder = random_model(args.shape)
+    engine = make_engine(folder, max(args.batches))
+    try:
+        for batch in args.batches:
+            engine_run(engine, batch, tag="warm")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                r = engine_run(engine, batch, tag="prof")
+            per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+                    per_name[e.name][0] += 1
+                    per_name[e.name][1] += e.device_time
+            total = sum(v[1] for v in per_name.values())
+            print(f"\n== {args.shape} batch {batch}: step {r['step_ms']:.3f} ms; kernel time "
+                  f"{total / 1000 / NEW:.3f} ms per step (all kernels incl. prefill / {NEW})")
+            for name, (count, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[: args.top]:
+                print(f"{us / NEW:9.1f} us/step {count / NEW:7.1f} x  {us / count:8.2f} us  {name[:90]}")
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
