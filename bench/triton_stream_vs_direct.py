@@ -3,16 +3,25 @@
 For concurrency 1 and 16 (default): tokens/s, TTFT p50/p99 and inter-token latency p50/p99.
 Each request: a ~30-token prompt, 64 new tokens (EOS ignored), greedy, MODE=none. The engine
 runs first in this process and is shut down; then the server starts on the repository.
+--shape (GPU): a benchmark shape with random bf16 weights (bench/shapes.py) served from a copy of
+the llm model folder; prompts are 32 random token ids (input_ids); gRPC clients run in
+--client-procs processes so that the Python client is not what is measured.
 
     python bench/triton_stream_vs_direct.py [--concurrency 1 16] [--requests 32]
+    python bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 --requests 256 \
+        --new 256 --client-procs 8 --out bench/results/h200_triton.json
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import queue
+import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -30,6 +39,25 @@ REPO = os.path.join(os.path.dirname(__file__), "..", "model_repository")
 
 def prompt(i: int) -> str:
     return f"Request {i}: write a short story about a lighthouse keeper and the sea at night."
+
+
+def prompt_ids(i: int) -> list[int]:
+    return [(i * 7919 + j * 104729) % 120000 + 10 for j in range(32)]
+
+
+def gpu_repository(folder: str, root: str) -> str:
+    """A repository holding only a copy of the llm model, serving `folder` with random weights."""
+    dst = os.path.join(root, "llm")
+    shutil.copytree(os.path.join(REPO, "llm"), dst)
+    path = os.path.join(dst, "config.pbtxt")
+    text = open(path).read()
+    text = re.sub(r'key: "model", value: \{ string_value: "[^"]*" \}',
+                  f'key: "model", value: {{ string_value: "{folder}" }}', text)
+    text = re.sub(r'key: "dtype", value: \{ string_value: "[^"]*" \}',
+                  'key: "dtype", value: { string_value: "bfloat16" }', text)
+    text = text.replace('parameters [', 'parameters [\n  { key: "load_format", value: { string_value: "dummy" } },')
+    open(path, "w").write(text)
+    return root
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -83,25 +111,26 @@ def run_pool(concurrency: int, n: int, one) -> tuple[Timing, float]:
     return timing, time.perf_counter() - t0
 
 
-def direct_one(engine: Engine, new: int):
+def direct_one(engine: Engine, new: int, ids: bool = False):
     def one(i: int, timing: Timing):
         start = time.perf_counter()
+        text = dict(prompt_ids=prompt_ids(i)) if ids else dict(prompt=prompt(i))
         stream = engine.submit(GenerationRequest(
-            f"d{i}-{time.monotonic_ns()}", prompt=prompt(i),
+            f"d{i}-{time.monotonic_ns()}", **text,
             sampling=SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)))
         arrivals = [(time.perf_counter(), len(d.token_ids)) for d in stream if d.token_ids]
         timing.record(start, arrivals)
     return one
 
 
-def grpc_one(url: str, new: int):
+def grpc_one(url: str, new: int, ids: bool = False):
     from triton_helpers import GrpcStream
 
     def one(i: int, timing: Timing):
         s = GrpcStream(url)
         start = time.perf_counter()
-        s.send(dict(text_input=prompt(i), max_tokens=new, temperature=0.0, ignore_eos=True,
-                    stream=True))
+        text = dict(input_ids=prompt_ids(i)) if ids else dict(text_input=prompt(i))
+        s.send(dict(**text, max_tokens=new, temperature=0.0, ignore_eos=True, stream=True))
         arrivals = []
         while True:
             result, error = s.queue.get(timeout=600)
@@ -117,32 +146,84 @@ def grpc_one(url: str, new: int):
     return one
 
 
+def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
+    url, new, first, n, concurrency = job
+    timing, jobs = Timing(), queue.Queue()
+    for i in range(first, first + n):
+        jobs.put(i)
+    one = grpc_one(url, new, ids=True)
+
+    def worker():
+        while True:
+            try:
+                i = jobs.get_nowait()
+            except queue.Empty:
+                return
+            one(i, timing)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return timing.ttft, timing.itl, timing.tokens, t0, time.time()
+
+
+def run_procs(url: str, new: int, concurrency: int, n: int, procs: int) -> tuple[Timing, float]:
+    """gRPC streams from `procs` client processes, concurrency / procs streams each."""
+    jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs) for p in range(procs)]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        parts = pool.map(_client_proc, jobs)
+    timing = Timing()
+    for ttft, itl, tokens, _, _ in parts:
+        timing.ttft += ttft
+        timing.itl += itl
+        timing.tokens += tokens
+    return timing, max(p[4] for p in parts) - min(p[3] for p in parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--shape", default="", help="GPU: a bench/shapes.py shape, random weights")
+    ap.add_argument("--client-procs", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_triton.json"))
     args = ap.parse_args()
 
     rows = {c: {} for c in args.concurrency}
-    engine = Engine(EngineConfig(device="cpu", max_num_seqs=64)).start()
+    ids = bool(args.shape)
+    if ids:
+        from shapes import random_model
+
+        folder = random_model(args.shape)
+        config = EngineConfig(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
+                              max_num_seqs=64)
+        repo = gpu_repository(folder, tempfile.mkdtemp())
+    else:
+        config, repo = EngineConfig(device="cpu", max_num_seqs=64), REPO
+    engine = Engine(config).start()
     try:
-        run_pool(2, 2, direct_one(engine, 8))  # warm-up
+        run_pool(2, 2, direct_one(engine, 8, ids))  # warm-up
         for c in args.concurrency:
             n = max(args.requests if c > 1 else 4, c)
-            timing, wall = run_pool(c, n, direct_one(engine, args.new))
+            timing, wall = run_pool(c, n, direct_one(engine, args.new, ids))
             rows[c]["direct"] = timing.summary(wall)
             print(f"direct c={c}: {rows[c]['direct']}", flush=True)
     finally:
         engine.shutdown()
-    server = start_server(REPO, log_path=os.path.join(os.path.dirname(args.out), "triton_bench_server.log"))
+    server = start_server(repo, log_path=os.path.join(os.path.dirname(args.out), "triton_bench_server.log"))
     try:
         server.wait_ready(timeout=600, models=("llm",))
-        run_pool(2, 2, grpc_one(server.grpc_url, 8))  # warm-up
+        run_pool(2, 2, grpc_one(server.grpc_url, 8, ids))  # warm-up
         for c in args.concurrency:
             n = max(args.requests if c > 1 else 4, c)
-            timing, wall = run_pool(c, n, grpc_one(server.grpc_url, args.new))
+            if args.client_procs > 1 and c >= args.client_procs:
+                timing, wall = run_procs(server.grpc_url, args.new, c, n, args.client_procs)
+            else:
+                timing, wall = run_pool(c, n, grpc_one(server.grpc_url, args.new, ids))
             rows[c]["grpc_stream"] = timing.summary(wall)
             rows[c]["ratio"] = round(rows[c]["grpc_stream"]["tok_s"] / rows[c]["direct"]["tok_s"], 3)
             print(f"grpc c={c}: {rows[c]['grpc_stream']} ratio {rows[c]['ratio']}", flush=True)
@@ -150,7 +231,8 @@ def main() -> None:
         server.stop()
     write_result(args.out, {
         "benchmark": "grpc_streaming_vs_engine_direct",
-        "model": "SmolLM2-135M-Instruct float32 (CPU)",
+        "model": f"{args.shape} random bf16 (GPU)" if ids else "SmolLM2-135M-Instruct float32 (CPU)",
+        **({"stream_vs_direct_ratio_c64": rows[64]["ratio"]} if 64 in rows else {}),
         "new_tokens": args.new,
         "rows": [{"concurrency": c, **r} for c, r in rows.items()],
     })

@@ -121,46 +121,18 @@ def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0):
                        want_kv.view(-1, kv_heads, head_dim)[untouched.to(device)])
 
 
-def check_fused_linear(device, dtype, rows=3, hidden=576, inter=200, heads=4, kv_heads=2,
-                       head_dim=32, bias=True, seed=0):
-    """The decode step's fused linear kernels against their torch references (float64)."""
-    from hsserve.kernels import fused_linear as fl
+
+def check_norm_gate_up_silu(device, dtype, rows=3, hidden=576, inter=200, seed=0):
+    """The fused MLP kernel against its torch reference (float64), with and without residual."""
+    from hsserve.kernels.fused_linear import norm_gate_up_silu, norm_gate_up_silu_ref
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
-    d64 = lambda t: None if t is None else t.double()  # noqa: E731
     x, r, nw = rnd(rows, hidden), rnd(rows, hidden), rnd(hidden)
-    w = rnd(130, hidden) / hidden**0.5  # NOTE: N not a multiple of the tile width
-    b = rnd(130) if bias else None
-    out = torch.full((rows, 130), float("nan"), dtype=torch.float32, device=device)
-    fl.linear(x, w, b, out=out)
-    _close(out, torch.nn.functional.linear(x.double(), w.double(), d64(b)), dtype, 1e-5)
+    w = rnd(2 * inter, hidden) / hidden**0.5  # NOTE: inter not a multiple of the tile width
     for residual in (None, r):
-        y, total = fl.norm_linear(x, residual, nw, 1e-5, w, b)
-        want, want_total = fl.norm_linear_ref(x.double(), d64(residual), nw.double(), 1e-5,
-                                              w.double(), d64(b))
+        y, total = norm_gate_up_silu(x, residual, nw, 1e-5, w)
+        want, want_total = norm_gate_up_silu_ref(x.double(), None if residual is None else r.double(),
+                                                 nw.double(), 1e-5, w.double())
         _close(y, want, dtype, 1e-5)
         _close(total, want_total, dtype, 1e-5)
-    wgu = rnd(2 * inter, hidden) / hidden**0.5
-    y, total = fl.norm_gate_up_silu(x, r, nw, 1e-5, wgu)
-    want, _ = fl.norm_gate_up_silu_ref(x.double(), r.double(), nw.double(), 1e-5, wgu.double())
-    _close(y, want, dtype, 1e-5)
-    width = (heads + 2 * kv_heads) * head_dim
-    wqkv = rnd(width, hidden) / hidden**0.5
-    bqkv = rnd(width) if bias else None
-    kv = rnd(2, 4, 16, kv_heads, head_dim)
-    slots = torch.randperm(64, generator=g)[:rows]  # NOTE: the cache holds 64 slots
-    slots[1::4] = -1  # NOTE: padding rows write nothing
-    slots = slots.to(device)
-    pos = torch.tensor([9, 0, 700, 3, 5000] * 4, device=device)[:rows].float()
-    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    freqs = pos[:, None] * inv[None]
-    ours, ref = kv.clone(), kv.double()
-    q, total = fl.norm_qkv_rope_store(x, r, nw, 1e-5, wqkv, bqkv, freqs.cos(), freqs.sin(), ours,
-                                      slots, heads, kv_heads, head_dim)
-    want_q, _ = fl.norm_qkv_rope_store_ref(x.double(), r.double(), nw.double(), 1e-5,
-                                           wqkv.double(), d64(bqkv), freqs.cos().double(),
-                                           freqs.sin().double(), ref, slots, heads, kv_heads,
-                                           head_dim)
-    _close(q, want_q, dtype, 1e-5)
-    _close(ours, ref, dtype, 1e-5)  # NOTE: written slots equal, every other slot untouched

@@ -47,11 +47,9 @@ def test_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 7, 16])
-@pytest.mark.parametrize("hidden, heads, kv_heads, head_dim", [(2048, 32, 8, 64), (576, 9, 3, 64),
-                                                               (4096, 32, 8, 128)])
-def test_fused_linear_kernels_match_reference(dtype, rows, hidden, heads, kv_heads, head_dim):
-    from kernel_cases import check_fused_linear
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("hidden, inter", [(576, 1536), (2048, 8192), (4096, 14336), (896, 4864)])
+def test_norm_gate_up_silu_matches_reference(dtype, rows, hidden, inter):
+    from kernel_cases import check_norm_gate_up_silu
 
-    check_fused_linear("cuda", dtype, rows=rows, hidden=hidden, inter=3 * hidden // 2 + 8,
-                       heads=heads, kv_heads=kv_heads, head_dim=head_dim, bias=rows != 7)
+    check_norm_gate_up_silu("cuda", dtype, rows=rows, hidden=hidden, inter=inter)

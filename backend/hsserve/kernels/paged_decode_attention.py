@@ -5,8 +5,9 @@
 - paged_decode_attention: one query token per sequence against its cached keys, split-K
   ("flash-decoding"): the pages of each sequence are spread over `num_splits` programs per KV
   head, each keeps an online softmax (max, sum, weighted values) over its pages for every query
-  head of the KV head's group at once (GQA: the group's heads share each K/V load), and a second
-  kernel merges the splits. A sequence of length 0 (padding) yields zeros.
+  head of the KV head's group at once (GQA: the group's heads share each K/V load), 64 keys (whole
+  pages) per loop step (one page per step left the kernel waiting on memory at batch 64), and a
+  second kernel merges the splits. A sequence of length 0 (padding) yields zeros.
 
 The torch reference (paged_attention_ref.py) is the oracle in tests.
 """
@@ -66,6 +67,7 @@ def _decode_split_kernel(
     GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PAGES: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -81,7 +83,7 @@ def _decode_split_kernel(
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    n = tl.arange(0, BLOCK_SIZE)
+    n = tl.arange(0, PAGES * BLOCK_SIZE)  # NOTE: PAGES pages per iteration: fewer, wider steps
     heads = kvh * GROUP + g
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=(g < GROUP)[:, None], other=0.0)
@@ -89,21 +91,21 @@ def _decode_split_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     pos = seq_len - 1
-    for page in range(first, last):
-        block = tl.load(TABLES + b * stride_tb + page).to(tl.int64)
-        base = KV + block * stride_block + kvh * stride_head
-        k = tl.load(base + n[:, None] * stride_tok + d[None, :])
-        v = tl.load(base + stride_half + n[:, None] * stride_tok + d[None, :])
+    for page0 in range(first, last, PAGES):
+        page = page0 + n // BLOCK_SIZE
+        keys = page * BLOCK_SIZE + n % BLOCK_SIZE
+        visible = (page < last) & (keys <= pos)
+        if window > 0:
+            visible = visible & (keys > pos - window)
+        block = tl.load(TABLES + b * stride_tb + page, mask=page < last, other=0).to(tl.int64)
+        base = KV + block * stride_block + kvh * stride_head + (n % BLOCK_SIZE) * stride_tok
+        k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0)
+        v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        keys = page * BLOCK_SIZE + n
-        visible = keys <= pos
-        if window > 0:
-            visible = visible & (keys > pos - window)
-        s = tl.where(visible[None, :], s, float("-inf"))
+        s = tl.where(visible[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # NOTE: a row that has seen only masked keys keeps m = -inf; guard exp(-inf - -inf)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -150,6 +152,9 @@ def _decode_merge_kernel(
     tl.store(OUT + b * stride_ob + h * stride_oh + d, o.to(OUT.dtype.element_ty))
 
 
+_TOKENS_PER_STEP = 64  # NOTE: keys per loop step of a split (whole pages)
+
+
 def choose_num_splits(batch: int, kv_heads: int, max_pages: int, num_sms: int = 132) -> int:
     """Enough programs to fill the GPU about twice, never more splits than pages."""
     want = -(-2 * num_sms // max(1, batch * kv_heads))
@@ -192,6 +197,7 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
         HEAD_DIM=d,
+        PAGES=max(1, _TOKENS_PER_STEP // block_size),
         IEEE=q.dtype == torch.float32,
     )
     _decode_merge_kernel[(bsz, heads)](

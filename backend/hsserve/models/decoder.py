@@ -107,32 +107,22 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, residual, rope, batch, kv, fused: bool = False):
+    def forward(self, x, residual, rope, batch, kv):
         """x: the previous layer's MLP output (the embeddings for the first layer, residual None).
         Returns (this layer's MLP output, the residual stream before it is added): the add is
-        fused into the next norm. `fused`: a small decode batch on CUDA (see forward_fused)."""
-        if fused:
-            return self.forward_fused(x, residual, rope, batch, kv)
+        fused into the next norm."""
         if residual is None:
             h, residual = self.input_norm(x), x
         else:
             h, residual = self.input_norm(x, residual)
-        h, residual = self.post_attn_norm(self.attn(h, rope, batch, kv), residual)
+        a = self.attn(h, rope, batch, kv)
+        if a.is_cuda and len(a) <= fused_linear.MAX_ROWS:  # NOTE: norm + gate_up + SiLU-mul fused
+            norm = self.post_attn_norm
+            h, residual = fused_linear.norm_gate_up_silu(a, residual, norm.weight, norm.eps,
+                                                         self.mlp.gate_up.weight)
+            return self.mlp.down(h), residual
+        h, residual = self.post_attn_norm(a, residual)
         return self.mlp(h), residual
-
-    def forward_fused(self, x, residual, rope, batch, kv):
-        """The same layer in 6 launches (kernels/fused_linear.py): norm + qkv + rotary + cache
-        write, attention (2), o_proj, norm + gate_up + SiLU-mul, down."""
-        a, eps = self.attn, self.input_norm.eps
-        q, residual = fused_linear.norm_qkv_rope_store(
-            x, residual, self.input_norm.weight, eps, a.qkv.weight, a.qkv.bias, rope.cos, rope.sin,
-            kv, batch.slot_mapping, a.num_heads, a.num_kv_heads, a.head_dim,
-        )
-        o = fused_linear.linear(attend(q, kv, batch, a.scale, a.window).view(len(x), -1),
-                                a.o_proj.weight, a.o_proj.bias)
-        h, residual = fused_linear.norm_gate_up_silu(o, residual, self.post_attn_norm.weight,
-                                                     self.post_attn_norm.eps, self.mlp.gate_up.weight)
-        return fused_linear.linear(h, self.mlp.down.weight), residual
 
 
 class Decoder(nn.Module):
@@ -169,9 +159,8 @@ class Decoder(nn.Module):
             capture.take(0, x)
         last = len(self.layers)
         residual = None
-        fused = self.fused_decode(batch, len(input_ids))
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, batch, kv_cache[i], fused)
+            x, residual = layer(x, residual, rope, batch, kv_cache[i])
             if capture is not None and i + 1 < last and capture.wants(i + 1):
                 capture.take(i + 1, residual + x)  # NOTE: the layer's output, as the next norm sees it
         x, _ = self.norm(x, residual)
@@ -179,16 +168,7 @@ class Decoder(nn.Module):
             capture.take(last, x)
         return x
 
-    def fused_decode(self, batch: AttentionBatch, rows: int) -> bool:
-        """Whether a decode batch runs through the fused small-batch kernels (CUDA, no q/k norm)."""
-        return (batch.kernels and batch.all_decode and rows <= fused_linear.MAX_ROWS
-                and not self.spec.qk_norm)
-
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [rows, vocab], written into `out` when given."""
-        if hidden.is_cuda and len(hidden) <= fused_linear.MAX_ROWS:  # NOTE: float32 straight out
-            if out is None:
-                out = torch.empty(len(hidden), self.spec.vocab_size, device=hidden.device)
-            return fused_linear.linear(hidden, self.lm_head.weight, self.lm_head.bias, out=out)
-        logits = self.lm_head(hidden).float()
-        return logits if out is None else out.copy_(logits)
+        """float32 logits [rows, vocab], converted straight into `out` when given."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
