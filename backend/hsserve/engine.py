@@ -2,12 +2,17 @@
 
 One step: schedule (who runs) -> execute (tensors) -> postprocess (append, finish, free) ->
 publish deltas. Only the loop thread touches the scheduler, the pool and the executor.
+
+Test-only: HSSERVE_TEST_CRASH_AFTER_STEPS=N (read once, when the Engine is made) makes the loop
+itself raise after N steps, as a bug escaping it would, so that tests can kill the engine of a real
+server. Never set it in production.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import queue
 import threading
 from typing import Callable
@@ -35,6 +40,7 @@ log = logging.getLogger(__name__)
 
 Sink = Callable[[Delta], None]
 _STOP = object()
+TEST_CRASH_ENV = "HSSERVE_TEST_CRASH_AFTER_STEPS"  # NOTE: test-only, see the module docstring
 
 
 class Engine:
@@ -60,6 +66,7 @@ class Engine:
         self._started = False
         self._stopped = False
         self._dead = False  # NOTE: the loop thread ended without being asked to
+        self._crash_after_steps = int(os.environ.get(TEST_CRASH_ENV) or 0)  # NOTE: test-only
 
     def _install(self, p: EngineParts) -> None:
         self.spec, self.model, self.tokenizer = p.spec, p.model, p.tokenizer
@@ -149,6 +156,11 @@ class Engine:
         return self._started and not self._stopped and not self._dead and self._thread.is_alive()
 
     @property
+    def died(self) -> bool:
+        """The loop thread ended without being asked to (its error is in `error`)."""
+        return self._dead
+
+    @property
     def num_graph_captures(self) -> int:
         """CUDA graphs captured (all at start; the number never grows while serving)."""
         graphs = self.executor.graphs if self.executor is not None else None
@@ -191,6 +203,8 @@ class Engine:
                         log.exception("engine step failed")
                         self.error = e
                         self._fail_all(f"engine step failed: {e!r}")
+                    if 0 < self._crash_after_steps <= self.num_steps:  # NOTE: test-only hook
+                        raise RuntimeError(f"{TEST_CRASH_ENV}={self._crash_after_steps}: crash")
                 else:
                     self.pool.check_invariants()
             clean = True

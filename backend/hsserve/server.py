@@ -84,6 +84,11 @@ def server_command(
         "--log-info=true",
         *(extra_args or []),
     ]
+    if not any(a.startswith("--model-control-mode") for a in args):
+        # NOTE: explicit control lets a model whose engine died unload itself (become unready)
+        args.append("--model-control-mode=explicit")
+        if not any(a.startswith("--load-model") for a in args):
+            args.append("--load-model=*")
     system = shutil.which("tritonserver")
     if system:
         return ServerCommand([system, *args], env)

@@ -1,12 +1,15 @@
-"""Is the Triton server that runs us stopping? Read from its own HTTP readiness endpoint.
+"""Is the Triton server that runs us stopping? Read from its own HTTP liveness endpoint.
 
 Triton unloads a decoupled model only after the model's in-flight requests have ended, and tells
 the model nothing before that: on SIGTERM it waits, then gives up at --exit-timeout-secs. So the
 adapter asks the server itself. The stub's parent is tritonserver; its command line gives the
 HTTP port. On SIGTERM Triton closes its HTTP endpoint at once (seen: connection refused within
-0.5 s) and only then waits; so "not ready", or a refused connection where the endpoint answered
-before, means stopping. A timeout (a busy server) or an endpoint never reached (HTTP disabled)
-means nothing, so a slow server is never mistaken for a stopping one.
+0.5 s) and only then waits; so "not live" (Triton answers an error while exiting), or a refused
+connection where the endpoint answered before, means stopping. A timeout (a busy server) or an
+endpoint never reached (HTTP disabled) means nothing, so a slow server is never mistaken for a
+stopping one.
+NOTE: liveness, not readiness: /v2/health/ready is also false while any model is loading or
+unloading (seen: while a model whose engine died unloads), which is no reason to stop serving.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import urllib.error
 import urllib.request
 
 
-def http_ready_url(pid: int | None = None) -> str | None:
-    """http://127.0.0.1:<port>/v2/health/ready of the parent tritonserver, None if unknown."""
+def http_live_url(pid: int | None = None) -> str | None:
+    """http://127.0.0.1:<port>/v2/health/live of the parent tritonserver, None if unknown."""
     pid = os.getppid() if pid is None else pid
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -35,7 +38,7 @@ def http_ready_url(pid: int | None = None) -> str | None:
             port = value
         elif key == "--allow-http":
             allowed = value.lower() not in ("false", "0")
-    return f"http://127.0.0.1:{port}/v2/health/ready" if allowed else None
+    return f"http://127.0.0.1:{port}/v2/health/live" if allowed else None
 
 
 class ServerWatch:

@@ -3,8 +3,9 @@
 Threads (STYLE 11): Triton's execute() validates, submits and returns at once; the engine's loop
 thread computes and puts deltas into the outbox; the sender thread drains the outbox, coalesces
 what piled up per request and calls send(); the watcher thread polls client cancellation at a
-bounded rate, turns it into engine aborts, and refreshes the metrics. finalize() stops the engine (in-flight requests get
-an error), then the sender, then the watcher.
+bounded rate, turns it into engine aborts, and refreshes the metrics; when the engine's loop has
+died it asks Triton to unload this model (not ready; explicit model control only). finalize() stops
+the engine (in-flight requests get an error), then the sender, then the watcher.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from hsserve.config import DEFAULT_MODEL, EngineConfig
 from hsserve.engine import Engine
 from hsserve.request import Delta, EngineUnavailable, FinishReason, RequestError
 from hsserve.triton_io import INPUTS, parse_request
-from hsserve.server_state import ServerWatch, http_ready_url
+from hsserve.server_state import ServerWatch, http_live_url
 from hsserve.triton_metrics import EngineMetrics
 
 pb_utils = None  # NOTE: bound in initialize(); the module imports without Triton
 _STOP = None
 _CANCEL_POLL_S = 0.1  # how often the watcher looks; each request is asked at most every 0.25 s
 _CANCEL_PER_REQUEST_S = 0.25
-_READY_POLL_S = 0.5  # how often, while requests are in flight, the model's readiness is read
+_READY_POLL_S = 0.5  # how often the server's liveness is read (is it stopping?)
 _HIDDEN_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}
 
 
@@ -90,7 +91,9 @@ class TritonPythonModel:
         self.engine = Engine(config).start()  # NOTE: a load error is raised here, to Triton
         self.default_max_tokens = config.default_max_tokens
         self.drain_timeout_s = config.drain_timeout_s
-        self._server_watch = ServerWatch(http_ready_url())
+        self._server_watch = ServerWatch(http_live_url())
+        self.model_name = args["model_name"]
+        self._unload_asked = False  # NOTE: watcher thread only
         self._shutting_down = False
         self.metrics = EngineMetrics(
             pb_utils, {"model": args["model_name"], "version": str(args["model_version"])}
@@ -242,6 +245,9 @@ class TritonPythonModel:
         while not self._stopping.wait(_CANCEL_POLL_S):
             if self._shutting_down:  # NOTE: no more calls into a backend that is unloading
                 return
+            if self.engine.died and not self._unload_asked:
+                self._unload_asked = True
+                self._unload_dead_model()
             try:
                 self.metrics.refresh(self.engine)
             except Exception as e:  # noqa: BLE001 - metrics must never stop cancellation
@@ -261,6 +267,24 @@ class TritonPythonModel:
                 cancelled = True
             if cancelled:
                 self.engine.abort(rid)
+
+    def _unload_dead_model(self) -> None:
+        """The engine's loop died and has ended every request in flight with an error: unload
+        this model so that it reports not ready (tritonserver 2.51 never asks is_ready()).
+        NOTE: the unload is asynchronous; Triton calls finalize() once the requests in flight
+        have ended. Only explicit model control allows it; otherwise the model stays READY."""
+        self.logger.log_error(
+            f"hsserve: the engine died ({self.engine.error!r}); unloading model {self.model_name!r}"
+        )
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as e:  # noqa: BLE001 - not in explicit model-control mode
+            self.logger.log_warn(
+                f"hsserve: could not unload {self.model_name!r} ({e}): it stays READY while every "
+                "request fails with UNAVAILABLE; restart the server. Under "
+                "--model-control-mode=explicit a model whose engine died unloads itself (not "
+                "ready) and can be reloaded (POST /v2/repository/models/<name>/load)."
+            )
 
     # ---- shutdown -----------------------------------------------------------------------------
 

@@ -12,15 +12,10 @@ import pytest
 
 from conftest import add_parameter, make_repository
 from hsserve.server import start_server
-from triton_helpers import GrpcStream
+from triton_helpers import GrpcStream, stub_processes
 
 EXIT_TIMEOUT_S = 10
 DRAIN_S = 2.0
-
-
-def stub_processes(marker: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "triton_python_backend_stub" in line and marker in line]
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -154,3 +155,10 @@ def http_generate(url: str, model: str, body: dict, stream: bool = False):
     if stream:
         return status, [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
     return status, json.loads(text)
+
+
+def stub_processes(marker: str) -> list[str]:
+    """Python-backend stubs still running whose command line holds `marker` (each server's stubs
+    run from its own backend dir)."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=False)
+    return [p for p in ps.stdout.splitlines() if "triton_python_backend_stub" in p and marker in p]
