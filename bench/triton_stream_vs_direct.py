@@ -123,13 +123,48 @@ def direct_one(engine: Engine, new: int, ids: bool = False):
     return one
 
 
-def grpc_one(url: str, new: int, ids: bool = False):
+def run_direct_sinks(engine: Engine, concurrency: int, n: int, new: int, ids: bool) -> tuple[Timing, float]:
+    """Engine-direct without a consumer thread per request: sinks record arrivals, and a finished
+    request's slot is refilled by one submitter thread (a closed loop of `concurrency`)."""
+    timing, lock, todo = Timing(), threading.Lock(), queue.Queue()
+    started: dict[str, tuple[float, list]] = {}
+    finished = threading.Semaphore(0)
+
+    def sink(d):
+        now = time.perf_counter()
+        start, arrivals = started[d.request_id]
+        if d.token_ids:
+            arrivals.append((now, len(d.token_ids)))
+        if d.request_done:
+            timing.record(start, arrivals)
+            todo.put(1)
+            finished.release()
+
+    def submitter():
+        for i in range(n):
+            if i >= concurrency:
+                todo.get()
+            rid = f"s{i}-{time.monotonic_ns()}"
+            text = dict(prompt_ids=prompt_ids(i)) if ids else dict(prompt=prompt(i))
+            with lock:
+                started[rid] = (time.perf_counter(), [])
+            engine.submit(GenerationRequest(rid, **text, sampling=SamplingParams(
+                max_tokens=new, temperature=0.0, ignore_eos=True)), sink=sink)
+
+    t0 = time.perf_counter()
+    threading.Thread(target=submitter, daemon=True).start()
+    for _ in range(n):
+        finished.acquire()
+    return timing, time.perf_counter() - t0
+
+
+def grpc_one(url: str, new: int, use_ids: bool = False):
     from triton_helpers import GrpcStream
 
     def one(i: int, timing: Timing):
         s = GrpcStream(url)
         start = time.perf_counter()
-        text = dict(input_ids=prompt_ids(i)) if ids else dict(text_input=prompt(i))
+        text = dict(input_ids=prompt_ids(i)) if use_ids else dict(text_input=prompt(i))
         s.send(dict(**text, max_tokens=new, temperature=0.0, ignore_eos=True, stream=True))
         arrivals = []
         while True:
@@ -151,7 +186,7 @@ def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
     timing, jobs = Timing(), queue.Queue()
     for i in range(first, first + n):
         jobs.put(i)
-    one = grpc_one(url, new, ids=True)
+    one = grpc_one(url, new, use_ids=True)
 
     def worker():
         while True:
@@ -212,6 +247,9 @@ def main() -> None:
             timing, wall = run_pool(c, n, direct_one(engine, args.new, ids))
             rows[c]["direct"] = timing.summary(wall)
             print(f"direct c={c}: {rows[c]['direct']}", flush=True)
+            timing, wall = run_direct_sinks(engine, c, n, args.new, ids)
+            rows[c]["direct_sinks"] = timing.summary(wall)
+            print(f"direct (sinks) c={c}: {rows[c]['direct_sinks']}", flush=True)
     finally:
         engine.shutdown()
     server = start_server(repo, log_path=os.path.join(os.path.dirname(args.out), "triton_bench_server.log"))
@@ -225,7 +263,8 @@ def main() -> None:
             else:
                 timing, wall = run_pool(c, n, grpc_one(server.grpc_url, args.new, ids))
             rows[c]["grpc_stream"] = timing.summary(wall)
-            rows[c]["ratio"] = round(rows[c]["grpc_stream"]["tok_s"] / rows[c]["direct"]["tok_s"], 3)
+            best = max(rows[c]["direct"]["tok_s"], rows[c]["direct_sinks"]["tok_s"])
+            rows[c]["ratio"] = round(rows[c]["grpc_stream"]["tok_s"] / best, 3)  # NOTE: vs the faster
             print(f"grpc c={c}: {rows[c]['grpc_stream']} ratio {rows[c]['ratio']}", flush=True)
     finally:
         server.stop()
@@ -239,7 +278,7 @@ def main() -> None:
     print("| concurrency | path | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
     print("|---:|---|---:|---:|---:|")
     for c, r in rows.items():
-        for path in ("direct", "grpc_stream"):
+        for path in ("direct", "direct_sinks", "grpc_stream"):
             x = r[path]
             print(f"| {c} | {path} | {x['tok_s']} | {x['ttft_p50_ms']} / {x['ttft_p99_ms']} | "
                   f"{x['itl_p50_ms']} / {x['itl_p99_ms']} |")

@@ -121,18 +121,3 @@ def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0):
                        want_kv.view(-1, kv_heads, head_dim)[untouched.to(device)])
 
 
-
-def check_norm_gate_up_silu(device, dtype, rows=3, hidden=576, inter=200, seed=0):
-    """The fused MLP kernel against its torch reference (float64), with and without residual."""
-    from hsserve.kernels.fused_linear import norm_gate_up_silu, norm_gate_up_silu_ref
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
-    x, r, nw = rnd(rows, hidden), rnd(rows, hidden), rnd(hidden)
-    w = rnd(2 * inter, hidden) / hidden**0.5  # NOTE: inter not a multiple of the tile width
-    for residual in (None, r):
-        y, total = norm_gate_up_silu(x, residual, nw, 1e-5, w)
-        want, want_total = norm_gate_up_silu_ref(x.double(), None if residual is None else r.double(),
-                                                 nw.double(), 1e-5, w.double())
-        _close(y, want, dtype, 1e-5)
-        _close(total, want_total, dtype, 1e-5)

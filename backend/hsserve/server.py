@@ -17,6 +17,8 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 
@@ -124,25 +126,23 @@ class RunningServer:
         return f"127.0.0.1:{self.ports.grpc}"
 
     def wait_ready(self, timeout: float = 300.0, models: tuple[str, ...] = ("llm",)) -> None:
-        import tritonclient.http as http
-
-        client = http.InferenceServerClient(self.http_url)
+        """Until the server and `models` answer ready (plain HTTP: no client library needed)."""
+        paths = ["/v2/health/ready", *(f"/v2/models/{m}/ready" for m in models)]
         deadline = time.time() + timeout
-        try:
-            while time.time() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(
-                        f"tritonserver exited with {self.process.returncode}{self._tail()}"
-                    )
-                try:
-                    if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
-                        return
-                except Exception:  # noqa: BLE001 - not listening yet
-                    pass
-                time.sleep(0.5)
-        finally:
-            client.close()  # NOTE: an open keep-alive connection delays Triton's shutdown
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.process.returncode}{self._tail()}")
+            if all(self._http_ok(p) for p in paths):
+                return
+            time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout}s{self._tail()}")
+
+    def _http_ok(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=5) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):  # NOTE: not listening yet, or 400: not ready
+            return False
 
     def _tail(self) -> str:
         if not self.log_path or not os.path.exists(self.log_path):

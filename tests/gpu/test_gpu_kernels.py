@@ -45,11 +45,3 @@ def test_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim):
 
     check_rotary_store("cuda", dtype, heads, kv_heads, head_dim)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("hidden, inter", [(576, 1536), (2048, 8192), (4096, 14336), (896, 4864)])
-def test_norm_gate_up_silu_matches_reference(dtype, rows, hidden, inter):
-    from kernel_cases import check_norm_gate_up_silu
-
-    check_norm_gate_up_silu("cuda", dtype, rows=rows, hidden=hidden, inter=inter)

@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
+try:
+    import tritonclient.http as httpclient
+except (ImportError, RuntimeError):  # NOTE: a gRPC-only client (the GPU benchmark machine)
+    httpclient = None
 from tritonclient.utils import np_to_triton_dtype
 
 TYPES = {

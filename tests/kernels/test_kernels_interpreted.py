@@ -43,9 +43,3 @@ def test_rotary_store_matches_reference():
 
     check_rotary_store("cpu", torch.float32)
 
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_norm_gate_up_silu_matches_reference(rows):
-    from kernel_cases import check_norm_gate_up_silu
-
-    check_norm_gate_up_silu("cpu", torch.float32, rows=rows)

@@ -15,7 +15,6 @@ from torch import nn
 from hsserve.attention_batch import AttentionBatch
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, store_kv
-from hsserve.kernels import fused_linear
 from hsserve.kernels.elementwise import add_rmsnorm, rotary_, rotary_store_, silu_mul
 from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
@@ -115,13 +114,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_norm(x), x
         else:
             h, residual = self.input_norm(x, residual)
-        a = self.attn(h, rope, batch, kv)
-        if a.is_cuda and len(a) <= fused_linear.MAX_ROWS:  # NOTE: norm + gate_up + SiLU-mul fused
-            norm = self.post_attn_norm
-            h, residual = fused_linear.norm_gate_up_silu(a, residual, norm.weight, norm.eps,
-                                                         self.mlp.gate_up.weight)
-            return self.mlp.down(h), residual
-        h, residual = self.post_attn_norm(a, residual)
+        h, residual = self.post_attn_norm(self.attn(h, rope, batch, kv), residual)
         return self.mlp(h), residual
 
 
