@@ -1,13 +1,16 @@
-"""Where a decode step's GPU time goes: kernels by name (torch profiler, CUDA graphs included) for
-the Llama-3.2-1B shape with random weights, at the batch sizes given, over one 128-token run.
+"""Where a decode step's time goes, for the Llama-3.2-1B shape with random weights, at the batch
+sizes given, over one 128-token run: GPU kernels by name (torch profiler, CUDA graphs included),
+or with --host the engine loop thread's Python (cProfile), which is what a step adds to the graph.
 
-    python bench/gpu_profile.py [--batches 1 64] [--shape llama-1b]
+    python bench/gpu_profile.py [--batches 1 64] [--shape llama-1b] [--host]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import sys
 from collections import defaultdict
 
@@ -19,17 +22,42 @@ from gpu_decode import NEW, engine_run, make_engine  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 
+def host_profile(engine, batch: int, top: int) -> None:
+    """cProfile of the engine's loop thread (installed as that thread's profiler) over one run."""
+    prof = cProfile.Profile()
+    step = engine._step
+    engine._step = _profiled(step, prof)
+    r = engine_run(engine, batch, tag="host")
+    engine._step = step
+    print(f"\n== host, batch {batch}: step {r['step_ms']:.3f} ms (cProfile on: slower than real)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+def _profiled(fn, prof):
+    def run(*a, **kw):
+        prof.enable()
+        try:
+            return fn(*a, **kw)
+        finally:
+            prof.disable()
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--shape", default="llama-1b")
     ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--host", action="store_true")
     args = ap.parse_args()
     folder = random_model(args.shape)
     engine = make_engine(folder, max(args.batches))
     try:
         for batch in args.batches:
             engine_run(engine, batch, tag="warm")
+            if args.host:
+                host_profile(engine, batch, args.top)
+                continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 r = engine_run(engine, batch, tag="prof")
             per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])

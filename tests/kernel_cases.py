@@ -121,3 +121,46 @@ def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0):
                        want_kv.view(-1, kv_heads, head_dim)[untouched.to(device)])
 
 
+
+
+def check_varlen(device, dtype, heads, kv_heads, head_dim, chunks, window=None, block_size=16,
+                 seed=0):
+    """Varlen paged attention: chunks [(start, rows)] (a chunk attends to keys 0..start + rows - 1,
+    causally) against a float64 computation from the gathered keys."""
+    from hsserve.kernels.paged_prefill_attention import paged_varlen_attention, varlen_metadata
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    num_blocks = 2 + sum(-(-(s + n) // block_size) for s, n in chunks)
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, heads, head_dim, generator=g).to(device, dtype)
+    spec, row, used = [], 0, 0
+    for s, n in chunks:
+        pages = -(-(s + n) // block_size)
+        spec.append((row, n, s, perm[used : used + pages]))
+        row += n
+        used += pages
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    vb = varlen_metadata(spec, heads // kv_heads, torch.device(device))
+    paged_varlen_attention(q, kv, vb, scale, window, out=out)
+    assert not torch.isnan(out).any(), "every row must be written"
+    ref = torch.empty(q.shape, dtype=torch.float64)
+    kv64 = kv.double().cpu()
+    for r0, n, s, table in spec:
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for p in range(s + n)])
+        k = kv64[0].reshape(-1, kv_heads, head_dim)[slots].repeat_interleave(heads // kv_heads, 1)
+        v = kv64[1].reshape(-1, kv_heads, head_dim)[slots].repeat_interleave(heads // kv_heads, 1)
+        for i in range(n):
+            p = s + i
+            keys = torch.arange(s + n)
+            vis = keys <= p
+            if window:
+                vis &= keys > p - window
+            att = torch.einsum("hd,khd->hk", q[r0 + i].double().cpu(), k) * scale
+            att = att.masked_fill(~vis[None], float("-inf")).softmax(-1)
+            ref[r0 + i] = torch.einsum("hk,khd->hd", att, v)
+    err = (out.double().cpu() - ref).norm() / ref.norm()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), float(err)

@@ -6,8 +6,12 @@ Built once per step by the executor (batch_builder) and read by every attention 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hsserve.kernels.paged_prefill_attention import VarlenBatch
 
 
 @dataclass
@@ -38,6 +42,9 @@ class AttentionBatch:
     decode_bias: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None  # [B] int32: keys 0..len-1 visible
     spans: list[Span] = field(default_factory=list)
+    # NOTE: with the kernels, a step that is not all decode runs every row through one varlen
+    # attention kernel per layer instead (decode rows, spans and the bias are then not built)
+    varlen: VarlenBatch | None = None
     # NOTE: True where the Triton kernels run this batch (CUDA): decode rows then need only
     # block tables + lengths, and K/V writes skip negative slots (padding rows of a CUDA graph)
     kernels: bool = False

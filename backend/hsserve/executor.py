@@ -14,6 +14,7 @@ from hsserve.attention_batch import AttentionBatch, Span, visible_keys
 from hsserve.cuda_graphs import DecodeGraphs
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels import kernels_supported
+from hsserve.kernels.paged_prefill_attention import varlen_metadata
 from hsserve.models.decoder import Decoder
 from hsserve.request import HiddenStatesMode
 from hsserve.sampler import sample
@@ -78,6 +79,7 @@ class Executor:
         self.window = model.spec.sliding_window
         self.dtype = model.embed.dtype
         self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
+        self.group = model.spec.num_heads // model.spec.num_kv_heads
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -92,6 +94,12 @@ class Executor:
         for c in chunks:
             rows_of.append(row)
             row += c.num_tokens
+        if self.kernels and len(decode) < len(chunks):
+            bs = self.block_size
+            batch.varlen = varlen_metadata(
+                [(rows_of[i], c.num_tokens, c.start, c.seq.block_table[: -(-c.end // bs)])
+                 for i, c in enumerate(chunks)], self.group, dev)
+            return batch
         if decode:
             bs = self.block_size
             num_blocks = max(-(-c.end // bs) for _, c in decode)

@@ -45,3 +45,19 @@ def test_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim):
 
     check_rotary_store("cuda", dtype, heads, kv_heads, head_dim)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (32, 8, 128), (9, 3, 64), (8, 8, 128)])
+def test_varlen_attention_matches_reference(dtype, heads, kv_heads, head_dim):
+    from kernel_cases import check_varlen
+
+    # fresh prompts, chunks after cached prefixes, decode rows, block edges, a long context
+    check_varlen("cuda", dtype, heads, kv_heads, head_dim,
+                 [(0, 300), (1000, 70), (5, 1), (0, 1), (2000, 1), (17, 33), (0, 16)])
+
+
+def test_varlen_attention_sliding_window():
+    from kernel_cases import check_varlen
+
+    check_varlen("cuda", torch.bfloat16, 32, 8, 128, [(0, 700), (1500, 40), (900, 1)], window=512)

@@ -43,3 +43,17 @@ def test_rotary_store_matches_reference():
 
     check_rotary_store("cpu", torch.float32)
 
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 32), (4, 4, 16)])
+def test_varlen_attention_matches_reference(heads, kv_heads, head_dim):
+    from kernel_cases import check_varlen
+
+    # a fresh prompt, a chunk after a cached prefix, decode rows, a chunk across block edges
+    check_varlen("cpu", torch.float32, heads, kv_heads, head_dim, [(0, 37), (32, 5), (9, 1), (0, 1), (15, 18)])
+
+
+def test_varlen_attention_sliding_window():
+    from kernel_cases import check_varlen
+
+    check_varlen("cpu", torch.float32, 8, 2, 32, [(0, 40), (50, 3)], window=24)

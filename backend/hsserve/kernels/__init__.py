@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: Triton kernels on CUDA, the torch reference elsewhere."""
+"""Attention over the paged KV cache: Triton kernels on CUDA (decode-only steps: split-K decode;
+any other step: one varlen kernel for all its rows), the torch reference elsewhere."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Attentio
 
 def attend(q: torch.Tensor, kv: torch.Tensor, batch: AttentionBatch, scale: float,
            window: int | None) -> torch.Tensor:
+    if batch.kernels and batch.varlen is not None:
+        from hsserve.kernels.paged_prefill_attention import paged_varlen_attention
+
+        return paged_varlen_attention(q, kv, batch.varlen, scale, window)
     if batch.kernels and batch.all_decode:
         from hsserve.kernels.paged_decode_attention import paged_decode_attention
 
