@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
+import urllib.request
 
 from triton_helpers import GrpcStream, metrics
 
@@ -20,9 +22,20 @@ def wait_for(url, key, value, timeout=10.0):
     return metrics(url, MODEL)
 
 
+def buckets(url: str, name: str) -> dict[str, float]:
+    """le -> cumulative count of one histogram of MODEL."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(f"{name}_bucket{{") and f'model="{MODEL}"' in line:
+            out[re.search(r'le="([^"]+)"', line).group(1)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def test_metrics_count_a_known_workload(triton_server):
     url = f"http://127.0.0.1:{triton_server.ports.metrics}/metrics"
     before = metrics(url, MODEL)
+    itl_before = buckets(url, "llm_inter_token_latency_seconds")
     prompts = [[100 + i] * (3 + 2 * i) for i in range(5)]
     new = [4, 6, 1, 8, 3]
     stream = GrpcStream(triton_server.grpc_url)
@@ -46,6 +59,13 @@ def test_metrics_count_a_known_workload(triton_server):
     assert after["llm_graph_captures_total"] == 0  # NOTE: CPU: no CUDA graphs
     assert after["llm_requests_running"] == 0 and after["llm_kv_blocks_in_use"] == 0
     assert after["llm_kv_blocks_total"] > 0
+    # NOTE: the buckets are cumulative, +Inf holds every observation, and each token's gap
+    # (under 2.5 s here) falls in a finite bucket
+    itl = buckets(url, "llm_inter_token_latency_seconds")
+    itl_delta = {le: itl[le] - itl_before.get(le, 0.0) for le in itl}
+    finite = sorted((float(le), n) for le, n in itl_delta.items() if le != "+Inf")
+    assert len(finite) == 11 and all(a[1] <= b[1] for a, b in zip(finite, finite[1:]))
+    assert itl_delta["+Inf"] == finite[-1][1] == sum(n - 1 for n in new)
 
 
 def test_overload_excess_gets_unavailable_quickly_and_admitted_complete(triton_server):
