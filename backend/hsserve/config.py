@@ -43,6 +43,10 @@ class EngineConfig:
     # NOTE: Triton: when the server stops, requests in flight may finish for this long, then the
     # rest end with UNAVAILABLE (keep it below tritonserver's --exit-timeout-secs)
     drain_timeout_s: float = 5.0
+    # NOTE: Triton: streamed responses per second the sender aims at, over all requests; with many
+    # streams each response then carries several tokens (every send holds up the stub's Python
+    # threads, the engine's included). 0 = one response per token.
+    stream_responses_per_s: int = 4000
     cache_dir: str = ""  # where the default model is converted; "" = ~/.cache/hsserve
     num_threads: int = 0  # CPU torch threads; 0 = torch's default
 
@@ -57,7 +61,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "max_prompt_tokens", "num_kv_blocks", "num_threads",
-                     "max_queue_size"):
+                     "max_queue_size", "stream_responses_per_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:

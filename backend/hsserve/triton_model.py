@@ -91,6 +91,7 @@ class TritonPythonModel:
         self.engine = Engine(config).start()  # NOTE: a load error is raised here, to Triton
         self.default_max_tokens = config.default_max_tokens
         self.drain_timeout_s = config.drain_timeout_s
+        self.stream_rate = config.stream_responses_per_s
         self._server_watch = ServerWatch(http_live_url())
         self.model_name = args["model_name"]
         self._unload_asked = False  # NOTE: watcher thread only
@@ -167,24 +168,41 @@ class TritonPythonModel:
     # ---- sender thread ------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        while True:
-            batch = [self._outbox.get()]
-            while True:  # NOTE: drain what piled up; one response per request per round
-                try:
+        """Drain the outbox; per completion, merge what piled up into one response. With a rate
+        budget, a completion's next response waits until (streams in flight / budget) seconds
+        after its last one, so at 64 streams each response carries several tokens while a lone
+        stream still gets every token at once; first and final responses never wait."""
+        held: dict[tuple[str, int], list[Delta]] = {}
+        next_at: dict[tuple[str, int], float] = {}
+        stop = False
+        while not stop or held:
+            timeout = None
+            if held:
+                timeout = max(0.0, min(next_at.get(k, 0.0) for k in held) - time.monotonic())
+            batch: list = []
+            try:
+                if not stop:
+                    batch.append(self._outbox.get(timeout=timeout))
+                while True:
                     batch.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            by_completion: dict[tuple[str, int], list[Delta]] = {}
-            stop = False
+            except queue.Empty:
+                pass
             for d in batch:
                 if d is _STOP:
                     stop = True
                 else:
-                    by_completion.setdefault((d.request_id, d.sequence_index), []).append(d)
-            for (rid, _), deltas in by_completion.items():
-                self._deliver(rid, Delta.merge(deltas))
-            if stop:
-                return
+                    held.setdefault((d.request_id, d.sequence_index), []).append(d)
+            now = time.monotonic()
+            gap = len(self._inflight) / self.stream_rate if self.stream_rate else 0.0
+            for key in list(held):
+                deltas = held[key]
+                urgent = stop or deltas[-1].finished or deltas[-1].request_done or key not in next_at
+                if urgent or now >= next_at[key]:
+                    del held[key]
+                    next_at[key] = now + gap
+                    if deltas[-1].request_done or deltas[-1].finished:
+                        next_at.pop(key, None)
+                    self._deliver(key[0], Delta.merge(deltas))
 
     def _deliver(self, rid: str, delta: Delta) -> None:
         # NOTE: a cancelled or failed completion ends the whole request with one error response

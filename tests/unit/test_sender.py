@@ -1,0 +1,81 @@
+"""The Triton adapter's sender thread (triton_model._send_loop) without Triton: what it merges into
+one response, and what it never holds back."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from hsserve.request import Delta, FinishReason
+from hsserve.triton_model import TritonPythonModel
+
+
+class Sender:
+    """The adapter's sender thread over a recording _deliver, `inflight` streams in flight."""
+
+    def __init__(self, rate: int, inflight: int):
+        model = TritonPythonModel.__new__(TritonPythonModel)  # NOTE: no initialize(): no Triton
+        model._outbox = queue.SimpleQueue()
+        model._inflight = dict.fromkeys(range(inflight))
+        model.stream_rate = rate
+        self.sent: list[tuple[float, str, Delta]] = []
+        model._deliver = lambda rid, d: self.sent.append((time.monotonic(), rid, d))
+        self.model = model
+        self.thread = threading.Thread(target=model._send_loop, daemon=True)
+        self.thread.start()
+
+    def put(self, d: Delta) -> None:
+        self.model._outbox.put(d)
+
+    def stop(self) -> None:
+        self.model._outbox.put(None)  # NOTE: the adapter's stop marker
+        self.thread.join(timeout=5)
+        assert not self.thread.is_alive()
+
+
+def token(rid: str, t: int, final: bool = False) -> Delta:
+    return Delta(rid, [t], str(t), finish_reason=FinishReason.LENGTH if final else None,
+                 request_done=final)
+
+
+def test_a_lone_stream_gets_every_token_at_once():
+    s = Sender(rate=4000, inflight=1)  # NOTE: a gap of 0.25 ms
+    for t in range(5):
+        s.put(token("a", t))
+        time.sleep(0.005)
+    s.put(token("a", 5, final=True))
+    s.stop()
+    assert [d.token_ids for _, _, d in s.sent] == [[0], [1], [2], [3], [4], [5]]
+
+
+def test_many_streams_get_several_tokens_per_response():
+    s = Sender(rate=1000, inflight=100)  # NOTE: 100 streams / 1000 per s: 0.1 s between responses
+    start = time.monotonic()
+    for t in range(20):
+        s.put(token("a", t))
+        time.sleep(0.01)
+    s.put(token("a", 20, final=True))
+    s.stop()
+    got = [d.token_ids for _, _, d in s.sent]
+    assert got[0] == [0], "the first response is never held"
+    assert [t for ids in got for t in ids] == list(range(21)), "nothing lost, order kept"
+    assert len(got) <= 5, got  # NOTE: ~0.2 s of tokens at one response per 0.1 s, then the final
+    times = [t - start for t, _, _ in s.sent]
+    assert all(b - a >= 0.09 for a, b in zip(times[:-2], times[1:-1])), times
+
+
+def test_finals_and_stop_are_never_held():
+    s = Sender(rate=10, inflight=100)  # NOTE: 10 s between responses
+    s.put(token("a", 0))
+    s.put(token("b", 0))
+    time.sleep(0.05)
+    s.put(token("a", 1))
+    s.put(token("a", 2, final=True))  # NOTE: due now, with the held token before it
+    s.put(token("b", 1))  # NOTE: held ...
+    time.sleep(0.1)
+    assert [(rid, d.token_ids) for _, rid, d in s.sent] == [("a", [0]), ("b", [0]), ("a", [1, 2])]
+    t0 = time.monotonic()
+    s.stop()  # NOTE: ... until the sender stops
+    assert time.monotonic() - t0 < 1
+    assert [(rid, d.token_ids) for _, rid, d in s.sent][-1] == ("b", [1])
