@@ -89,9 +89,10 @@ class Timing:
         }
 
 
-def run_pool(concurrency: int, n: int, one) -> tuple[Timing, float]:
+def run_pool(concurrency: int, n: int, one, first: int = 0) -> tuple[Timing, float]:
+    """Requests first..first + n - 1 through `concurrency` threads; (timing, wall seconds)."""
     timing, jobs = Timing(), queue.Queue()
-    for i in range(n):
+    for i in range(first, first + n):
         jobs.put(i)
 
     def worker():
@@ -183,25 +184,8 @@ def grpc_one(url: str, new: int, use_ids: bool = False):
 
 def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
     url, new, first, n, concurrency = job
-    timing, jobs = Timing(), queue.Queue()
-    for i in range(first, first + n):
-        jobs.put(i)
-    one = grpc_one(url, new, use_ids=True)
-
-    def worker():
-        while True:
-            try:
-                i = jobs.get_nowait()
-            except queue.Empty:
-                return
-            one(i, timing)
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    t0 = time.time()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    t0 = time.time()  # NOTE: wall clock: comparable across the client processes
+    timing, _ = run_pool(concurrency, n, grpc_one(url, new, use_ids=True), first)
     return timing.ttft, timing.itl, timing.tokens, t0, time.time()
 
 
