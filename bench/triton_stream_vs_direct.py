@@ -183,15 +183,16 @@ def grpc_one(url: str, new: int, use_ids: bool = False):
 
 
 def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
-    url, new, first, n, concurrency = job
+    url, new, first, n, concurrency, ids = job
     t0 = time.time()  # NOTE: wall clock: comparable across the client processes
-    timing, _ = run_pool(concurrency, n, grpc_one(url, new, use_ids=True), first)
+    timing, _ = run_pool(concurrency, n, grpc_one(url, new, use_ids=ids), first)
     return timing.ttft, timing.itl, timing.tokens, t0, time.time()
 
 
-def run_procs(url: str, new: int, concurrency: int, n: int, procs: int) -> tuple[Timing, float]:
+def run_procs(url: str, new: int, concurrency: int, n: int, procs: int,
+              ids: bool) -> tuple[Timing, float]:
     """gRPC streams from `procs` client processes, concurrency / procs streams each."""
-    jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs) for p in range(procs)]
+    jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs, ids) for p in range(procs)]
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
         parts = pool.map(_client_proc, jobs)
     timing = Timing()
@@ -243,7 +244,7 @@ def main() -> None:
         for c in args.concurrency:
             n = max(args.requests if c > 1 else 4, c)
             if args.client_procs > 1 and c >= args.client_procs:
-                timing, wall = run_procs(server.grpc_url, args.new, c, n, args.client_procs)
+                timing, wall = run_procs(server.grpc_url, args.new, c, n, args.client_procs, ids)
             else:
                 timing, wall = run_pool(c, n, grpc_one(server.grpc_url, args.new, ids))
             rows[c]["grpc_stream"] = timing.summary(wall)
