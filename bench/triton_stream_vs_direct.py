@@ -192,6 +192,7 @@ def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
 def run_procs(url: str, new: int, concurrency: int, n: int, procs: int,
               ids: bool) -> tuple[Timing, float]:
     """gRPC streams from `procs` client processes, concurrency / procs streams each."""
+    assert concurrency % procs == 0 and n % procs == 0, "concurrency and requests: multiples of procs"
     jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs, ids) for p in range(procs)]
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
         parts = pool.map(_client_proc, jobs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -42,11 +43,14 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     import signal
 
-    from hsserve.server import Ports, start_server
+    from hsserve.server import ADMIN_HEADER, ADMIN_KEY_ENV, Ports, start_server
 
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     server = start_server(args.model_repository, ports, extra_args=args.triton_arg)
     print(f"tritonserver starting (pid {server.process.pid}) on {args.model_repository}", flush=True)
+    if server.admin_key and not os.environ.get(ADMIN_KEY_ENV):
+        print(f"repository, shared-memory, trace and logging APIs need the header {ADMIN_HEADER}: "
+              f"{server.admin_key} (set {ADMIN_KEY_ENV} to choose it)", flush=True)
     try:
         server.wait_ready(timeout=args.ready_timeout, models=tuple(args.wait_for))
         print(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,12 +22,17 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+ADMIN_HEADER = "hsserve-admin-key"
+ADMIN_KEY_ENV = "HSSERVE_ADMIN_KEY"  # NOTE: its value, or a random one per start
+RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"
+
 
 @dataclass
 class ServerCommand:
     argv: list[str]
     env: dict[str, str]
     backend_dir: str | None = None  # a temp dir we made (removed on stop)
+    admin_key: str = ""  # the ADMIN_HEADER value the restricted APIs ask for ("" = not ours)
 
 
 @dataclass
@@ -91,9 +97,16 @@ def server_command(
         args.append("--model-control-mode=explicit")
         if not any(a.startswith("--load-model") for a in args):
             args.append("--load-model=*")
+    admin_key = ""
+    if not any(a.startswith(("--http-restricted-api", "--grpc-restricted-protocol")) for a in args):
+        # NOTE: explicit control makes the repository API live (a load may carry a model.py):
+        # it and the other operator APIs answer only requests carrying the admin header
+        admin_key = os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(16)
+        rule = f"{RESTRICTED_APIS}:{ADMIN_HEADER}={admin_key}"
+        args += [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
     system = shutil.which("tritonserver")
     if system:
-        return ServerCommand([system, *args], env)
+        return ServerCommand([system, *args], env, admin_key=admin_key)
     root = _pytriton_root()
     if root is None:
         raise FileNotFoundError(
@@ -106,7 +119,8 @@ def server_command(
         p for p in (libdir, os.path.abspath(libs), env.get("LD_LIBRARY_PATH", "")) if p
     )
     binary = os.path.join(root, "bin", "tritonserver")
-    return ServerCommand([binary, *args, f"--backend-directory={backend_dir}"], env, backend_dir)
+    return ServerCommand([binary, *args, f"--backend-directory={backend_dir}"], env, backend_dir,
+                         admin_key)
 
 
 @dataclass
@@ -116,6 +130,10 @@ class RunningServer:
     command: ServerCommand
     log_path: str | None = None
     _closed: bool = field(default=False, repr=False)
+
+    @property
+    def admin_key(self) -> str:
+        return self.command.admin_key
 
     @property
     def http_url(self) -> str:

@@ -60,13 +60,15 @@ class _Histogram:
         if not values:
             return
         values = sorted(values)
-        for metric, edge in zip(self.buckets, self.edges):
+        # NOTE: count and +Inf first, then the buckets downwards: a scrape in between still sees
+        # cumulative counts (a lower bucket never ahead of a higher one)
+        self.count.increment(len(values))
+        self.sum.increment(sum(values))
+        self.buckets[-1].increment(len(values))
+        for metric, edge in reversed(list(zip(self.buckets, self.edges))):
             below = bisect.bisect_right(values, edge)  # NOTE: le is inclusive
             if below:
                 metric.increment(below)
-        self.buckets[-1].increment(len(values))
-        self.sum.increment(sum(values))
-        self.count.increment(len(values))
 
 
 class EngineMetrics:

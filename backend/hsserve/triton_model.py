@@ -193,8 +193,11 @@ class TritonPythonModel:
                 else:
                     held.setdefault((d.request_id, d.sequence_index), []).append(d)
             now = time.monotonic()
-            gap = len(self._inflight) / self.stream_rate if self.stream_rate else 0.0
-            for key in list(held):
+            streams = sum(1 for st in list(self._inflight.values()) if st.stream)
+            gap = streams / self.stream_rate if self.stream_rate else 0.0
+            # NOTE: a request's last response (request_done) goes after its other completions'
+            # finals of this round: once it is sent, the request is forgotten
+            for key in sorted(held, key=lambda k: held[k][-1].request_done):
                 deltas = held[key]
                 urgent = stop or deltas[-1].finished or deltas[-1].request_done or key not in next_at
                 if urgent or now >= next_at[key]:

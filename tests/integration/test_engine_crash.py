@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from conftest import add_parameter, make_repository
 from hsserve.engine import TEST_CRASH_ENV
-from hsserve.server import start_server
+from hsserve.server import ADMIN_HEADER, start_server
 from triton_helpers import infer_inputs, stream_once, stub_processes
 
 CRASH_AFTER_STEPS = 60  # NOTE: ~3 s of three streams on a 2-core CPU; llm_capped stays below it
@@ -51,7 +51,8 @@ class TimedStream:
 
 def http(server, path: str, post: bool = False) -> tuple[int, str]:
     req = urllib.request.Request(f"http://{server.http_url}{path}", data=b"" if post else None,
-                                 method="POST" if post else "GET")
+                                 method="POST" if post else "GET",
+                                 headers={ADMIN_HEADER: server.admin_key})
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             return r.status, r.read().decode()
@@ -65,7 +66,7 @@ def model_ready(server) -> bool:
 
 def llm_state(server) -> tuple[str, str]:
     req = urllib.request.Request(f"http://{server.http_url}/v2/repository/index", data=b"{}",
-                                 method="POST")
+                                 method="POST", headers={ADMIN_HEADER: server.admin_key})
     with urllib.request.urlopen(req, timeout=10) as r:
         index = json.loads(r.read().decode())
     entry = next(m for m in index if m["name"] == "llm")

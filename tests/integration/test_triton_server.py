@@ -267,3 +267,25 @@ def test_prefix_cache_counters_advance_on_a_repeated_prompt(triton_server):
     assert m["llm_prefix_cache_hit_tokens_total"] >= before + 16, m
     assert m["llm_prefix_cache_query_tokens_total"] >= m["llm_prefix_cache_hit_tokens_total"]
     assert m["llm_kv_blocks_cached"] >= 1
+
+
+def test_repository_api_needs_the_admin_header(triton_server):
+    """Explicit model control makes the repository API live: it is restricted by default."""
+    import urllib.error
+    import urllib.request
+
+    from hsserve.server import ADMIN_HEADER
+
+    def index(headers):
+        req = urllib.request.Request(f"http://{triton_server.http_url}/v2/repository/index",
+                                     data=b"{}", method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    assert index({})[0] == 403
+    assert index({ADMIN_HEADER: "wrong"})[0] == 403
+    status, body = index({ADMIN_HEADER: triton_server.admin_key})
+    assert status == 200 and '"llm"' in body

@@ -34,7 +34,22 @@ def run(engine: Engine, mode: HiddenStatesMode, tag: str):
     ("mistral", [HiddenStatesMode.LAST]),
     ("qwen3", [HiddenStatesMode.FULL]),
 ])
-def test_engine_on_kernels_equals_reference(tiny_model_dir, family, modes):
+def test_engine_on_kernels_equals_reference(tiny_model_dir, family, modes, monkeypatch):
+    from hsserve.kernels import paged_decode_attention as decode_mod
+    from hsserve.kernels import paged_prefill_attention as varlen_mod
+
+    calls = {"varlen": 0, "decode": 0}
+
+    def counted(name, fn):
+        def run(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return run
+
+    monkeypatch.setattr(varlen_mod, "paged_varlen_attention",
+                        counted("varlen", varlen_mod.paged_varlen_attention))
+    monkeypatch.setattr(decode_mod, "paged_decode_attention",
+                        counted("decode", decode_mod.paged_decode_attention))
     folder = tiny_model_dir(family)
     ref = Engine(EngineConfig(model=folder, device="cpu", block_size=16,
                               enable_prefix_caching=False)).start()
@@ -56,6 +71,7 @@ def test_engine_on_kernels_equals_reference(tiny_model_dir, family, modes):
             if mode != HiddenStatesMode.FULL:
                 assert ours.pool.num_hit_tokens > hits
         assert ours.num_mixed_steps > 0  # NOTE: prefill chunks ran beside decode rows
+        assert calls["varlen"] > 0 and calls["decode"] > 0  # NOTE: both kernels ran
     finally:
         ref.shutdown()
         ours.shutdown()

@@ -133,6 +133,8 @@ def paged_varlen_attention(q: torch.Tensor, kv: torch.Tensor, vb: VarlenBatch, s
     Rows not covered by a query block are left as they are in `out`."""
     _, heads, d = q.shape
     _, _, block_size, kv_heads, _ = kv.shape
+    assert heads % kv_heads == 0 and q.stride(-1) == 1 and kv.stride(-1) == 1, "unsupported layout"
+    assert vb.tables.dtype == torch.int32 and vb.row0.dtype == torch.int32
     group = heads // kv_heads
     out = torch.empty_like(q) if out is None else out
     nb = vb.row0.shape[0]
