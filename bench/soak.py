@@ -154,18 +154,24 @@ def plan(num: int, seed: int) -> list[tuple[str, dict, int, str | None]]:
 
 
 def run_soak(grpc_url: str, metrics_url: str, pgid: int, num: int = 1000, seed: int = 0,
-             concurrency: int = 16, warmup: int = 100) -> dict:
+             concurrency: int = 16, warmup: int = 100, trace_every: int = 0) -> dict:
+    """trace_every > 0: also the server's RSS after every that many requests past the warm-up."""
     jobs = plan(num, seed)
     results: list[dict] = []
     rss: dict[str, float] = {}
+    trace: list[tuple[int, float]] = []
+    step = trace_every or num
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         futures = [pool.submit(_one, grpc_url, kind, fields, k, expect)
                    for kind, fields, k, expect in jobs[:warmup]]
         results += [f.result() for f in futures]
         rss["after_warmup_mb"] = server_rss_mb(pgid)
-        futures = [pool.submit(_one, grpc_url, kind, fields, k, expect)
-                   for kind, fields, k, expect in jobs[warmup:]]
-        results += [f.result() for f in futures]
+        for start in range(warmup, num, step):
+            futures = [pool.submit(_one, grpc_url, kind, fields, k, expect)
+                       for kind, fields, k, expect in jobs[start : start + step]]
+            results += [f.result() for f in futures]
+            if trace_every:
+                trace.append((len(results), round(server_rss_mb(pgid), 1)))
     deadline = time.time() + 15
     while time.time() < deadline and (metric(metrics_url, "llm_requests_running")
                                       or metric(metrics_url, "llm_kv_blocks_in_use")):
@@ -188,6 +194,7 @@ def run_soak(grpc_url: str, metrics_url: str, pgid: int, num: int = 1000, seed: 
         "kv_blocks_in_use_after": metric(metrics_url, "llm_kv_blocks_in_use"),
         "requests_running_after": metric(metrics_url, "llm_requests_running"),
         "rss": {k: round(v, 1) for k, v in rss.items()},
+        **({"rss_trace_mb": trace} if trace_every else {}),
         "results": results,
         "jobs": jobs,
     }
@@ -201,6 +208,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--trace-every", type=int, default=0, help="RSS after every N requests")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "soak_cpu.json"))
     args = ap.parse_args()
     repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "model_repository")
@@ -209,7 +217,7 @@ def main() -> None:
         server.wait_ready(timeout=600, models=("llm",))
         t0 = time.time()
         out = run_soak(server.grpc_url, f"http://127.0.0.1:{server.ports.metrics}/metrics",
-                       os.getpgid(server.process.pid), args.requests)
+                       os.getpgid(server.process.pid), args.requests, trace_every=args.trace_every)
         wall = time.time() - t0
     finally:
         server.stop()
