@@ -49,11 +49,16 @@ class _Inflight:
     lock: threading.Lock = field(default_factory=threading.Lock)
     finished: bool = False
 
-    def send_final(self, response) -> None:
+    def send(self, response, final: bool = False) -> None:
+        """Send unless the final response has gone (then the request is Triton's no more)."""
         with self.lock:
             if not self.finished:
-                self.finished = True
-                self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.finished = final
+                self.sender.send(response,
+                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def send_final(self, response) -> None:
+        self.send(response, final=True)
 
     def is_cancelled(self) -> bool:
         with self.lock:
@@ -198,14 +203,15 @@ class TritonPythonModel:
             # NOTE: a request's last response (request_done) goes after its other completions'
             # finals of this round: once it is sent, the request is forgotten
             for key in sorted(held, key=lambda k: held[k][-1].request_done):
-                deltas = held[key]
-                urgent = stop or deltas[-1].finished or deltas[-1].request_done or key not in next_at
-                if urgent or now >= next_at[key]:
-                    del held[key]
+                final = held[key][-1].finished  # NOTE: request_done comes only on a final delta
+                if not (stop or final or now >= next_at.get(key, 0.0)):  # NOTE: a first one: 0
+                    continue
+                deltas = held.pop(key)
+                if final:
+                    next_at.pop(key, None)
+                else:
                     next_at[key] = now + gap
-                    if deltas[-1].request_done or deltas[-1].finished:
-                        next_at.pop(key, None)
-                    self._deliver(key[0], Delta.merge(deltas))
+                self._deliver(key[0], Delta.merge(deltas))
 
     def _deliver(self, rid: str, delta: Delta) -> None:
         # NOTE: a cancelled or failed completion ends the whole request with one error response
@@ -252,13 +258,7 @@ class TritonPythonModel:
                 _tensor("num_input_tokens", torch.tensor([delta.num_input_tokens], dtype=torch.uint32)),
                 _tensor("num_output_tokens", torch.tensor([delta.num_output_tokens], dtype=torch.uint32)),
             ]
-        response = pb_utils.InferenceResponse(output_tensors=outputs)
-        if delta.request_done:
-            state.send_final(response)
-        else:
-            with state.lock:
-                if not state.finished:
-                    state.sender.send(response, flags=0)
+        state.send(pb_utils.InferenceResponse(output_tensors=outputs), final=delta.request_done)
 
     # ---- cancellation watcher -----------------------------------------------------------------
 
