@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hsserve.kernels.online_softmax import online_softmax_step
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -101,23 +103,7 @@ def _decode_split_kernel(
         base = KV + block * stride_block + kvh * stride_head + (n % BLOCK_SIZE) * stride_tok
         k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(visible[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # NOTE: a row that has seen only masked keys keeps m = -inf; guard exp(-inf - -inf)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
     out = ACC + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + d[None, :]
     tl.store(out, acc, mask=(g < GROUP)[:, None])
     stats = STATS + b * stride_sb + heads * stride_sh + split * stride_ss

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hsserve.kernels.online_softmax import online_softmax_step
+
 _TILE_ROWS = 64  # NOTE: query rows x group heads per program
 _TOKENS_PER_STEP = 64
 
@@ -103,25 +105,10 @@ def _varlen_kernel(
         base = KV + block * stride_block + kvh * stride_head + (n % BLOCK_SIZE) * stride_tok
         k = tl.load(base[:, None] + d[None, :], mask=in_ctx[:, None], other=0.0)
         v = tl.load(base[:, None] + stride_half + d[None, :], mask=in_ctx[:, None], other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
         visible = in_ctx[None, :] & (keys[None, :] <= q_pos[:, None])
         if window > 0:
             visible = visible & (keys[None, :] > q_pos[:, None] - window)
-        sc = tl.where(visible, sc * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # NOTE: rows with nothing seen yet
-        p = tl.exp(sc - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l, acc = online_softmax_step(q, k, v, visible, m, l, acc, scale, IEEE)
     o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(OUT + (row0 + r)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              o.to(OUT.dtype.element_ty), mask=ok[:, None])
