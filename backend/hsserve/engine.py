@@ -73,6 +73,8 @@ class Engine:
         self.pool, self.scheduler, self.executor = p.pool, p.scheduler, p.executor
         self.max_model_len, self.max_prompt_tokens = p.max_model_len, p.max_prompt_tokens
         self.captured_layers = p.captured_layers
+        # NOTE: set while the loop thread needs no GIL (blocked on the device, or idle)
+        self.device_wait: threading.Event = p.executor.device_wait
         self.eos_ids = frozenset(self.spec.eos_token_ids)
         self._admission = Admission(
             self.config, p.spec, p.tokenizer, p.max_model_len, p.max_prompt_tokens, p.captured_layers
@@ -194,8 +196,14 @@ class Engine:
         clean = False
         try:
             while True:
-                if not self._drain(block=not self.scheduler.has_work()):
-                    break
+                idle = not self.scheduler.has_work()
+                if idle:
+                    self.device_wait.set()
+                try:
+                    if not self._drain(block=idle):
+                        break
+                finally:
+                    self.device_wait.clear()
                 if self.scheduler.has_work():
                     try:
                         self._step()
@@ -212,6 +220,7 @@ class Engine:
             log.exception("engine loop died")
             self.error = e
         finally:
+            self.device_wait.set()  # NOTE: the loop needs the GIL no more
             with self._ids_lock:  # NOTE: submit() enqueues under this lock, so nothing is missed
                 self._dead = not clean
                 self._drain_unprocessed()

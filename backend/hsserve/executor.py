@@ -6,7 +6,9 @@ for the rows that leave the device, computes logits only where a token is sample
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -39,17 +41,22 @@ def rows_to_capture(chunk: Chunk) -> range:
     return range(0)
 
 
-def sample_chunks(logits: torch.Tensor | None, chunks: list[Chunk]) -> list[int | None]:
-    """Per chunk the sampled token, or None; `logits` has one row per chunk that samples."""
+def sample_chunks(logits: torch.Tensor | None, chunks: list[Chunk],
+                  wait: Callable[[], None] | None = None) -> list[int | None]:
+    """Per chunk the sampled token, or None; `logits` has one row per chunk that samples.
+    `wait` (if any) is called once the sampling is queued, before the tokens are read."""
     sampling = [c for c in chunks if c.samples]
     if not sampling:
         return [None] * len(chunks)
-    it = iter(sample(
+    tokens = sample(
         logits,
         [c.seq.sampling for c in sampling],
         [c.seq.seed for c in sampling],
         [c.seq.num_generated for c in sampling],
-    ).tolist())
+    )
+    if wait is not None:
+        wait()
+    it = iter(tokens.tolist())
     return [next(it) if c.samples else None for c in chunks]
 
 
@@ -80,6 +87,17 @@ class Executor:
         self.dtype = model.embed.dtype
         self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
         self.group = model.spec.num_heads // model.spec.num_kv_heads
+        # NOTE: set while this thread is blocked on the device (it holds no GIL then): other
+        # Python threads of the process (the Triton adapter's sender) do their work in that window
+        self.device_wait = threading.Event()
+        self._wait = self._wait_device if self.device.type == "cuda" else None
+
+    def _wait_device(self) -> None:
+        self.device_wait.set()
+        try:
+            torch.cuda.current_stream(self.device).synchronize()
+        finally:
+            self.device_wait.clear()
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -183,8 +201,8 @@ class Executor:
         if logit_rows:
             logits = self.model.logits(hidden[torch.tensor(logit_rows, device=dev)])
         captured = capture.out if capture is not None else None
-        return StepOutput(sample_chunks(logits, chunks), split_rows(captured, layers, chunks,
-                                                                    capture_slices), row_starts)
+        return StepOutput(sample_chunks(logits, chunks, self._wait),
+                          split_rows(captured, layers, chunks, capture_slices), row_starts)
 
     def _execute_graph(self, chunks: list[Chunk]) -> StepOutput:
         """A decode-only step through the captured graphs."""
@@ -205,5 +223,5 @@ class Executor:
         captured = rows[torch.tensor(keep, device=self.device)] if keep else None
         position = {i: j for j, i in enumerate(keep)}
         slices = [(position.get(i, 0), len(w)) for i, w in enumerate(wanted)]
-        return StepOutput(sample_chunks(logits, chunks), split_rows(captured, g.layers, chunks, slices),
-                          [w.start for w in wanted])
+        return StepOutput(sample_chunks(logits, chunks, self._wait),
+                          split_rows(captured, g.layers, chunks, slices), [w.start for w in wanted])

@@ -32,6 +32,7 @@ _STOP = None
 _CANCEL_POLL_S = 0.1  # how often the watcher looks; each request is asked at most every 0.25 s
 _CANCEL_PER_REQUEST_S = 0.25
 _READY_POLL_S = 0.5  # how often the server's liveness is read (is it stopping?)
+_GATE_MAX_WAIT_S = 0.01  # NOTE: the longest a response waits for the engine to block on the GPU
 _HIDDEN_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}
 
 
@@ -97,6 +98,9 @@ class TritonPythonModel:
         self.default_max_tokens = config.default_max_tokens
         self.drain_timeout_s = config.drain_timeout_s
         self.stream_rate = config.stream_responses_per_s
+        # NOTE: on a GPU the sender builds and sends responses while the engine's loop waits for
+        # the device (it needs no GIL then); on the CPU the loop's torch compute releases the GIL
+        self._gate = self.engine.device_wait if self.engine.executor.device.type == "cuda" else None
         self._server_watch = ServerWatch(http_live_url())
         self.model_name = args["model_name"]
         self._unload_asked = False  # NOTE: watcher thread only
@@ -176,7 +180,10 @@ class TritonPythonModel:
         """Drain the outbox; per completion, merge what piled up into one response. With a rate
         budget, a completion's next response waits until (streams in flight / budget) seconds
         after its last one, so at 64 streams each response carries several tokens while a lone
-        stream still gets every token at once; first and final responses never wait."""
+        stream still gets every token at once; first and final responses never wait for the budget.
+        On a GPU each response also waits (at most _GATE_MAX_WAIT_S) for the engine's loop to be
+        blocked on the device or idle: two Python threads busy at once slow each other through
+        the GIL, and the loop's step is what every stream waits for."""
         held: dict[tuple[str, int], list[Delta]] = {}
         next_at: dict[tuple[str, int], float] = {}
         stop = False
@@ -206,6 +213,8 @@ class TritonPythonModel:
                 final = held[key][-1].finished  # NOTE: request_done comes only on a final delta
                 if not (stop or final or now >= next_at.get(key, 0.0)):  # NOTE: a first one: 0
                     continue
+                if self._gate is not None and not stop:
+                    self._gate.wait(_GATE_MAX_WAIT_S)
                 deltas = held.pop(key)
                 if final:
                     next_at.pop(key, None)

@@ -89,7 +89,7 @@ def test_served_tokens_and_rows_equal_the_engine(tiny_llama, tmp_path):
         for s, w, m in zip(streams, want, MODES):
             got = s.read()
             s.close()
-            assert got.error is None, got.error
+            assert got.error is None, str(got.error)
             assert got.cat("output_ids").tolist() == w.token_ids
             rows = [r["HIDDEN_STATES"] for r in got.responses if r.get("HIDDEN_STATES") is not None]
             if m == "none":
@@ -98,5 +98,8 @@ def test_served_tokens_and_rows_equal_the_engine(tiny_llama, tmp_path):
             rows = np.concatenate(rows)
             assert rows.shape == tuple(w.hidden.shape)
             np.testing.assert_allclose(rows, w.hidden.numpy(), rtol=0, atol=1e-4)
+    except BaseException:
+        print((tmp_path / "server.log").read_text()[-8000:])  # NOTE: shown with the failure
+        raise
     finally:
         server.stop()

@@ -8,7 +8,7 @@ import threading
 import time
 
 from hsserve.request import Delta, FinishReason
-from hsserve.triton_model import TritonPythonModel
+from hsserve.triton_model import _GATE_MAX_WAIT_S, TritonPythonModel
 
 
 class Stream:
@@ -18,8 +18,9 @@ class Stream:
 class Sender:
     """The adapter's sender thread over a recording _deliver, `inflight` streams in flight."""
 
-    def __init__(self, rate: int, inflight: int):
+    def __init__(self, rate: int, inflight: int, gate: threading.Event | None = None):
         model = TritonPythonModel.__new__(TritonPythonModel)  # NOTE: no initialize(): no Triton
+        model._gate = gate
         model._outbox = queue.SimpleQueue()
         model._inflight = {i: Stream() for i in range(inflight)}
         model.stream_rate = rate
@@ -116,3 +117,24 @@ def test_a_request_ends_after_all_its_completions():
     s.stop()
     sent = [(d.sequence_index, d.token_ids, d.request_done) for _, _, d in s.sent]
     assert sent == [(1, [0], False), (0, [0], False), (0, [1, 2], False), (1, [1, 2], True)]
+
+
+def test_on_a_gpu_responses_go_while_the_engine_waits_on_the_device():
+    """The gate (the engine's device_wait) clear: a response waits for it, at most
+    _GATE_MAX_WAIT_S; set: it goes at once."""
+    gate = threading.Event()
+    s = Sender(rate=0, inflight=1, gate=gate)
+    t0 = time.monotonic()
+    s.put(token("a", 0))
+    deadline = t0 + 5
+    while not s.sent and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert s.sent and s.sent[0][0] - t0 >= 0.9 * _GATE_MAX_WAIT_S, "sent before the gate or the limit"
+    gate.set()
+    t1 = time.monotonic()
+    s.put(token("a", 1))
+    s.put(token("a", 2, final=True))
+    s.stop()
+    assert [d.token_ids for _, _, d in s.sent] == [[0], [1, 2]] or \
+        [d.token_ids for _, _, d in s.sent] == [[0], [1], [2]]
+    assert s.sent[-1][0] - t1 < 1.0
