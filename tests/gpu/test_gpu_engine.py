@@ -161,3 +161,49 @@ def test_gpu_graphs_captured_once_equal_eager_over_1000_steps(tiny_dirs):
     finally:
         graph.shutdown()
         eager.shutdown()
+
+
+def compiled_variants() -> dict[str, int]:
+    """Per @triton.jit kernel of ours, how many variants Triton has compiled in this process."""
+    import triton
+
+    from hsserve.kernels import elementwise, paged_decode_attention, paged_prefill_attention
+
+    out = {}
+    for mod in (elementwise, paged_decode_attention, paged_prefill_attention):
+        for name, fn in vars(mod).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction) and fn.device_caches:
+                out[f"{mod.__name__}.{name}"] = sum(len(c[0]) for c in fn.device_caches.values())
+    return out
+
+
+def test_gpu_no_kernel_is_compiled_while_serving(tiny_dirs):
+    """After the first mixed step, prompts of any length, batch and prefix-cache state compile no
+    new kernel variant (a compile stalls the loop for a second): pointer alignment and the
+    per-step integer arguments must not make Triton specialize."""
+    engine = Engine(EngineConfig(model=tiny_dirs["llama"], device="cuda", dtype="bfloat16",
+                                 max_num_seqs=8, block_size=16)).start()
+    try:
+        warm = [engine.submit(GenerationRequest(f"w{i}", prompt_ids=list(range(3, 3 + n)),
+                                                sampling=SamplingParams(max_tokens=6)))
+                for i, n in enumerate([5, 40])]
+        [s.result(timeout=300) for s in warm]
+        mixed = engine.num_mixed_steps
+        before = compiled_variants()
+        assert "hsserve.kernels.paged_prefill_attention._varlen_kernel" in before, before
+        g = torch.Generator().manual_seed(3)
+        streams = []
+        for i in range(48):  # NOTE: 1..300-token prompts arriving while others decode
+            n = int(torch.randint(1, 300, (1,), generator=g))
+            ids = torch.randint(3, 1000, (n,), generator=g).tolist()
+            if i % 5 == 0:
+                ids = list(range(3, 3 + n))  # NOTE: prefix-cache hits of every length
+            streams.append(engine.submit(GenerationRequest(
+                f"r{i}", prompt_ids=ids, sampling=SamplingParams(max_tokens=int(i % 9) + 1))))
+            if i % 3 == 0:
+                streams[-1].result(timeout=300)
+        [s.result(timeout=300) for s in streams]
+        assert engine.num_mixed_steps > mixed + 10
+        assert compiled_variants() == before
+    finally:
+        engine.shutdown()

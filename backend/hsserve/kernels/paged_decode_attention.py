@@ -55,7 +55,7 @@ def write_kv_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "stride_tb"])  # NOTE: vary per step; no recompiles
 def _decode_split_kernel(
     Q, KV, TABLES, LENS, ACC, STATS,
     scale, window,
@@ -142,9 +142,10 @@ _TOKENS_PER_STEP = 64  # NOTE: keys per loop step of a split (whole pages)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_pages: int, num_sms: int = 132) -> int:
-    """Enough programs to fill the GPU about twice, never more splits than pages."""
-    want = -(-2 * num_sms // max(1, batch * kv_heads))
-    return max(1, min(want, max_pages, 64))
+    """Enough programs to fill the GPU about twice, never more splits than pages; a power of two
+    (the split count is a compile-time constant: at most 7 variants are ever compiled)."""
+    want = min(-(-2 * num_sms // max(1, batch * kv_heads)), max_pages, 64)
+    return 1 << (max(1, want).bit_length() - 1)
 
 
 def paged_decode_attention(

@@ -56,14 +56,16 @@ def varlen_metadata(chunks: list[tuple[int, int, int, list[int]]], group: int,
             rows.append(min(br, n - i))
             pos0.append(p + i)
             seq.append(s)
-    meta = torch.tensor([row0, rows, pos0, seq], dtype=torch.int32)
+    nb = len(row0)
+    pad = [0] * (-nb % 4)  # NOTE: each row starts 16-byte aligned, so Triton compiles one variant
+    meta = torch.tensor([row0 + pad, rows + pad, pos0 + pad, seq + pad], dtype=torch.int32)[:, :nb]
     tables = torch.tensor([t + [0] * (width - len(t)) for *_, t in chunks], dtype=torch.int32)
     ctx = torch.tensor([p + n for _, n, p, _ in chunks], dtype=torch.int32)
     meta, tables, ctx = (x.to(device, non_blocking=True) for x in (meta, tables, ctx))
     return VarlenBatch(meta[0], meta[1], meta[2], meta[3], tables, ctx, br)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "stride_tb"])  # NOTE: vary per step; no recompiles
 def _varlen_kernel(
     Q, KV, OUT, ROW0, ROWS, POS0, SEQ, TABLES, CTX,
     scale, window,
