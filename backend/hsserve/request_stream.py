@@ -30,6 +30,7 @@ class RequestStream:
     def __init__(self, request_id: str):
         self.request_id = request_id
         self._queue: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self._results: list[Result] | None = None  # NOTE: once collected, asked again: the same
 
     def __call__(self, delta: Delta) -> None:  # NOTE: called on the engine thread; never blocks
         self._queue.put(delta)
@@ -43,14 +44,18 @@ class RequestStream:
                 return
 
     def results(self, timeout: float | None = None) -> list[Result]:
-        """Every completion's collected result, by sequence_index."""
+        """Every completion's collected result, by sequence_index (a second call returns the same;
+        do not mix with iterating the stream)."""
+        if self._results is not None:
+            return self._results
         by_index: dict[int, list[Delta]] = {}
         while True:
             delta = self._queue.get(timeout=timeout)
             by_index.setdefault(delta.sequence_index, []).append(delta)
             if delta.request_done:
                 break
-        return [_collect(self.request_id, by_index[i]) for i in sorted(by_index)]
+        self._results = [_collect(self.request_id, by_index[i]) for i in sorted(by_index)]
+        return self._results
 
     def result(self, timeout: float | None = None) -> Result:
         """The collected result of a request with one completion (n = 1)."""

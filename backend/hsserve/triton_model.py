@@ -94,6 +94,13 @@ class TritonPythonModel:
         config = EngineConfig.from_parameters(params)
         out = pb_utils.get_output_config_by_name(model_config, "HIDDEN_STATES")
         self.hidden_dtype = _HIDDEN_DTYPES[out["data_type"]] if out else torch.float32
+        if int(np.__version__.split(".")[0]) >= 2:
+            self.logger.log_warn(
+                f"hsserve: numpy {np.__version__} in the Python backend stub: the python_backend "
+                "of tritonserver 2.51 (nvidia-pytriton 0.7) mis-reads TYPE_STRING tensors with "
+                "numpy 2 (seen: the stub died on a MODE input; text_output arrived empty); "
+                "install numpy<2 (requirements/constraints.txt pins 1.26.4)"
+            )
         self.engine = Engine(config).start()  # NOTE: a load error is raised here, to Triton
         self.default_max_tokens = config.default_max_tokens
         self.drain_timeout_s = config.drain_timeout_s

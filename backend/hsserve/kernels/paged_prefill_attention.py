@@ -58,10 +58,11 @@ def varlen_metadata(chunks: list[tuple[int, int, int, list[int]]], group: int,
             seq.append(s)
     nb = len(row0)
     pad = [0] * (-nb % 4)  # NOTE: each row starts 16-byte aligned, so Triton compiles one variant
-    meta = torch.tensor([row0 + pad, rows + pad, pos0 + pad, seq + pad], dtype=torch.int32)[:, :nb]
+    meta = torch.tensor([row0 + pad, rows + pad, pos0 + pad, seq + pad], dtype=torch.int32)
     tables = torch.tensor([t + [0] * (width - len(t)) for *_, t in chunks], dtype=torch.int32)
     ctx = torch.tensor([p + n for _, n, p, _ in chunks], dtype=torch.int32)
     meta, tables, ctx = (x.to(device, non_blocking=True) for x in (meta, tables, ctx))
+    meta = meta[:, :nb]  # NOTE: sliced on the device (a copy of the slice would be contiguous)
     return VarlenBatch(meta[0], meta[1], meta[2], meta[3], tables, ctx, br)
 
 
