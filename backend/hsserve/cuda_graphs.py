@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from hsserve.attention_batch import AttentionBatch
@@ -26,6 +27,20 @@ def batch_ladder(max_batch: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if s < max_batch]
     sizes += list(range(96, max_batch, 32))
     return sizes + [max_batch]
+
+
+def fill_host_inputs(meta: np.ndarray, tables_out: np.ndarray, ids: list[int], positions: list[int],
+                     slots: list[int], lens: list[int], tables: list[list[int]], size: int) -> None:
+    """Write one step's inputs into the host buffers (numpy views of the pinned tensors; numpy
+    takes Python lists at half the cost of torch.tensor): meta rows ids, positions, slots, lengths
+    for n = len(ids) rows, padding rows n..size-1 (slot -1, length 0: they write and read
+    nothing), and each row's block table, zero-padded to the widest."""
+    n = len(ids)
+    width = max(len(t) for t in tables)
+    meta[:, :n] = (ids, positions, slots, lens)
+    meta[2, n:size] = -1
+    meta[3, n:size] = 0
+    tables_out[:n, :width] = [t + [0] * (width - len(t)) for t in tables]
 
 
 class DecodeGraphs:
@@ -47,6 +62,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(b, max_pages, dtype=torch.int32, device=dev)
         self.host_meta = torch.zeros(4, b, dtype=torch.long).pin_memory()
         self.host_tables = torch.zeros(b, max_pages, dtype=torch.int32).pin_memory()
+        self.host_meta_np, self.host_tables_np = self.host_meta.numpy(), self.host_tables.numpy()
         self.rows_index = torch.arange(b, device=dev)
         self.logits = torch.empty(b, spec.vocab_size, dtype=torch.float32, device=dev)
         self.rows = (
@@ -101,13 +117,9 @@ class DecodeGraphs:
         width = max(len(t) for t in tables)
         # NOTE: the previous step's copies out of the pinned buffers are done: its results were
         # read on the host (a synchronization) before this step was scheduled
-        hm = self.host_meta
-        hm[:, :n] = torch.tensor([ids, positions, slots, lens], dtype=torch.long)
-        hm[2, n:size] = -1  # padding rows write nothing and attend to nothing
-        hm[3, n:size] = 0
-        self.meta[:, :size].copy_(hm[:, :size], non_blocking=True)
-        self.host_tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                                    dtype=torch.int32)
+        fill_host_inputs(self.host_meta_np, self.host_tables_np, ids, positions, slots, lens, tables,
+                         size)
+        self.meta[:, :size].copy_(self.host_meta[:, :size], non_blocking=True)
         self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
         self.graphs[(size, with_rows and self.rows is not None)].replay()
         rows = self.rows[:n] if with_rows and self.rows is not None else None

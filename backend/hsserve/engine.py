@@ -341,7 +341,8 @@ class Engine:
         new = ready - seq.num_tokens_sent
         if new <= 0 and not final:
             return
-        tokens = seq.output_ids[seq.num_tokens_sent : ready]
+        p = seq.num_prompt_tokens  # NOTE: slices token_ids once (output_ids would copy them all)
+        tokens = seq.token_ids[p + seq.num_tokens_sent : p + ready]
         if final and seq.detokenizer is not None and not seq.stop.hit:
             seq.stop.text += seq.detokenizer.flush()
         upto = 0

