@@ -4,7 +4,7 @@ A probe model (written to a temporary repository) answers one request with N dec
 from a thread, as the adapter's sender does, building each response one of five ways; it reports
 the build time (Python, holding the GIL) and the total per response (build + send(), whose IPC
 round trip releases the GIL). Variants: 0 text (object array) + output_ids and sequence_index
-via torch + DLPack (the adapter before 5381db1+1); 1 the same with numpy numerics (now);
+via torch + DLPack (the adapter before 94ef6e5); 1 the same with numpy numerics (now);
 2 text as a bytes_ array; 3 output_ids alone; 4 an empty response.
 
     python bench/response_cost.py [--responses 2000] [--rounds 2]
