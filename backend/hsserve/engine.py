@@ -75,6 +75,7 @@ class Engine:
         self.captured_layers = p.captured_layers
         # NOTE: set while the loop thread needs no GIL (blocked on the device, or idle)
         self.device_wait: threading.Event = p.executor.device_wait
+        self.device: torch.device = p.executor.device
         self.eos_ids = frozenset(self.spec.eos_token_ids)
         self._admission = Admission(
             self.config, p.spec, p.tokenizer, p.max_model_len, p.max_prompt_tokens, p.captured_layers
@@ -196,14 +197,8 @@ class Engine:
         clean = False
         try:
             while True:
-                idle = not self.scheduler.has_work()
-                if idle:
-                    self.device_wait.set()
-                try:
-                    if not self._drain(block=idle):
-                        break
-                finally:
-                    self.device_wait.clear()
+                if not self._drain(block=not self.scheduler.has_work()):
+                    break
                 if self.scheduler.has_work():
                     try:
                         self._step()
@@ -239,7 +234,7 @@ class Engine:
 
     def _release(self) -> None:
         """Drop the weights and the KV cache so their memory returns (the pool's ids stay)."""
-        cuda = self.executor.device.type == "cuda"
+        cuda = self.device.type == "cuda"
         self.model = self.executor = None
         if cuda:
             gc.collect()  # NOTE: CUDA graphs and their memory pool go only when collected
@@ -250,7 +245,14 @@ class Engine:
     def _drain(self, block: bool) -> bool:
         """Apply queued messages; False when asked to stop."""
         try:
-            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            if block:
+                self.device_wait.set()  # NOTE: idle, the loop needs no GIL
+                try:
+                    msg = self._inbox.get(timeout=0.5)
+                finally:
+                    self.device_wait.clear()
+            else:
+                msg = self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:

@@ -191,6 +191,8 @@ class Executor:
                 self.model.spec.hidden_size,
                 self.model.embed.dtype,
             )
+        # NOTE: built before the forward is queued: a blocking copy after it would wait for it
+        logit_index = torch.tensor(logit_rows, device=dev) if logit_rows else None
         hidden = self.model(
             torch.tensor(ids, device=dev),
             torch.tensor(positions, device=dev),
@@ -199,16 +201,21 @@ class Executor:
             capture,
         )
         logits = None
-        if logit_rows:
-            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=dev)])
+        if logit_index is not None:
+            logits = self.model.logits(hidden[logit_index])
         captured = capture.out if capture is not None else None
         return StepOutput(sample_chunks(logits, chunks, self._wait),
                           split_rows(captured, layers, chunks, capture_slices), row_starts)
 
     def _execute_graph(self, chunks: list[Chunk]) -> StepOutput:
         """A decode-only step through the captured graphs."""
-        g, bs = self.graphs, self.block_size
+        g, bs, dev = self.graphs, self.block_size, self.device
         wanted = [rows_to_capture(c) for c in chunks]
+        # NOTE: index tensors built before the replay is queued (a blocking copy would wait for it)
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        pick = torch.tensor(sampling, device=dev) if 0 < len(sampling) < len(chunks) else None
+        keep = [i for i, w in enumerate(wanted) if len(w)]  # NOTE: only these rows leave the GPU
+        keep_index = torch.tensor(keep, device=dev) if keep else None
         logits, rows = g.run(
             [c.seq.token_ids[c.start] for c in chunks],
             [c.start for c in chunks],
@@ -217,11 +224,9 @@ class Executor:
             [c.end for c in chunks],
             with_rows=any(len(w) for w in wanted),
         )
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
-        if 0 < len(sampling) < len(chunks):
-            logits = logits[torch.tensor(sampling, device=self.device)]
-        keep = [i for i, w in enumerate(wanted) if len(w)]  # NOTE: only these rows leave the GPU
-        captured = rows[torch.tensor(keep, device=self.device)] if keep else None
+        if pick is not None:
+            logits = logits[pick]
+        captured = rows[keep_index] if keep_index is not None else None
         position = {i: j for j, i in enumerate(keep)}
         slices = [(position.get(i, 0), len(w)) for i, w in enumerate(wanted)]
         return StepOutput(sample_chunks(logits, chunks, self._wait),

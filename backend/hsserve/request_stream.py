@@ -31,6 +31,7 @@ class RequestStream:
         self.request_id = request_id
         self._queue: queue.SimpleQueue[Delta] = queue.SimpleQueue()
         self._results: list[Result] | None = None  # NOTE: once collected, asked again: the same
+        self._taken: dict[int, list[Delta]] = {}  # NOTE: deltas taken by a call that timed out
 
     def __call__(self, delta: Delta) -> None:  # NOTE: called on the engine thread; never blocks
         self._queue.put(delta)
@@ -48,7 +49,7 @@ class RequestStream:
         do not mix with iterating the stream)."""
         if self._results is not None:
             return self._results
-        by_index: dict[int, list[Delta]] = {}
+        by_index = self._taken  # NOTE: a call that timed out keeps what it took for the next
         while True:
             delta = self._queue.get(timeout=timeout)
             by_index.setdefault(delta.sequence_index, []).append(delta)

@@ -58,11 +58,17 @@ def sample(
     if not rows:
         return out
     dev = logits.device
-    idx = torch.tensor(rows, device=dev)
-    x = logits[idx] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
+
+    def on_dev(values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+        # NOTE: a non-blocking copy does not wait for the queued forward (torch.tensor(...,
+        # device=) would), so the loop blocks on the device only where it means to
+        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+    idx = on_dev(rows)
+    x = logits[idx] / on_dev([params[i].temperature for i in rows])[:, None]
     top_k = [params[i].top_k for i in rows]
     if any(k > 0 for k in top_k):
-        k = torch.tensor([k if k > 0 else x.shape[1] for k in top_k], device=dev)
+        k = on_dev([k if k > 0 else x.shape[1] for k in top_k])
         kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
     top_p = [params[i].top_p for i in rows]
@@ -70,10 +76,10 @@ def sample(
         sorted_x, order = x.sort(dim=-1, descending=True)
         probs = sorted_x.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
-        drop = before > torch.tensor(top_p, device=dev)[:, None]
+        drop = before > on_dev(top_p)[:, None]
         x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
-    seed_t = torch.tensor([as_int64(seeds[i]) for i in rows], device=dev, dtype=torch.int64)
-    step_t = torch.tensor([steps[i] for i in rows], device=dev, dtype=torch.int64)
+    seed_t = on_dev([as_int64(seeds[i]) for i in rows], torch.int64)
+    step_t = on_dev([steps[i] for i in rows], torch.int64)
     gumbel = -torch.log(-torch.log(uniform_noise(seed_t, step_t, x.shape[1])))
     out[idx] = (x + gumbel).argmax(dim=-1)
     return out

@@ -113,7 +113,7 @@ class TritonPythonModel:
         self.stream_rate = config.stream_responses_per_s
         # NOTE: on a GPU the sender builds and sends responses while the engine's loop waits for
         # the device (it needs no GIL then); on the CPU the loop's torch compute releases the GIL
-        self._gate = self.engine.device_wait if self.engine.executor.device.type == "cuda" else None
+        self._gate = self.engine.device_wait if self.engine.device.type == "cuda" else None
         self._server_watch = ServerWatch(http_live_url())
         self.model_name = args["model_name"]
         self._unload_asked = False  # NOTE: watcher thread only
@@ -194,8 +194,8 @@ class TritonPythonModel:
         budget, a completion's next response waits until (streams in flight / budget) seconds
         after its last one, so at 64 streams each response carries several tokens while a lone
         stream still gets every token at once; first and final responses never wait for the budget.
-        On a GPU each response also waits (at most _GATE_MAX_WAIT_S) for the engine's loop to be
-        blocked on the device or idle: two Python threads busy at once slow each other through
+        On a GPU each response also waits for the engine's loop to be blocked on the device or
+        idle (a round waits at most _GATE_MAX_WAIT_S in all): two Python threads busy at once slow each other through
         the GIL, and the loop's step is what every stream waits for."""
         held: dict[tuple[str, int], list[Delta]] = {}
         next_at: dict[tuple[str, int], float] = {}
@@ -220,6 +220,7 @@ class TritonPythonModel:
             now = time.monotonic()
             streams = sum(1 for st in list(self._inflight.values()) if st.stream)
             gap = streams / self.stream_rate if self.stream_rate else 0.0
+            gate_until = now + _GATE_MAX_WAIT_S  # NOTE: one bound per round, not per response
             # NOTE: a request's last response (request_done) goes after its other completions'
             # finals of this round: once it is sent, the request is forgotten
             for key in sorted(held, key=lambda k: held[k][-1].request_done):
@@ -227,7 +228,7 @@ class TritonPythonModel:
                 if not (stop or final or now >= next_at.get(key, 0.0)):  # NOTE: a first one: 0
                     continue
                 if self._gate is not None and not stop:
-                    self._gate.wait(_GATE_MAX_WAIT_S)
+                    self._gate.wait(max(0.0, gate_until - time.monotonic()))
                 deltas = held.pop(key)
                 if final:
                     next_at.pop(key, None)

@@ -164,7 +164,9 @@ def test_gpu_graphs_captured_once_equal_eager_over_1000_steps(tiny_dirs):
 
 
 def compiled_variants() -> dict[str, int]:
-    """Per @triton.jit kernel of ours, how many variants Triton has compiled in this process."""
+    """Per @triton.jit kernel of ours, how many variants Triton has compiled in this process.
+    NOTE: reads JITFunction.device_caches (triton 3.6: device -> (kernel cache, ...)), not a
+    public API: check it when Triton is upgraded."""
     import triton
 
     from hsserve.kernels import elementwise, paged_decode_attention, paged_prefill_attention
