@@ -1,0 +1,27 @@
+#!/bin/bash
+# Everything a GPU session measures, in one device call (carry [".whl/slim"], made by
+# bench/device_bundle.sh): the GPU tests, the tritonserver stream benchmark with the stub sampled
+# by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
+#   bash bench/gpu_session.sh [tests|triton|decode ...]   (default: all three)
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
+mkdir -p /tmp/x && tar -xJf .whl/slim/slim.tar.xz -C /tmp/x
+sp=$(python3 -c "import site; print(site.getsitepackages()[0])")
+echo "$PWD/backend" > "$sp/hsserve-dev.pth"  # NOTE: the stub does not read PYTHONPATH
+# NOTE: numpy 1.26 for the stub only (transformers in the image needs its numpy 2)
+echo "import os, sys; sys.path.insert(0, '/tmp/x/np') if os.path.basename(os.readlink('/proc/self/exe')).startswith('triton_python') else None" > "$sp/00-np.pth"
+export PYTHONPATH=$PYTHONPATH:/tmp/x/site PATH=$PATH:/tmp/x/tools/bin
+parts=${*:-tests triton decode}
+for part in $parts; do
+  case $part in
+    tests) timeout 300 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 \
+             | grep -v "^[IW]1\|^|\|^+" | tail -15 ;;
+    triton) (bash bench/spy_stub.sh 4 > "$OUT/spy.out" 2>&1 &)
+            timeout 200 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 \
+              --requests 768 --new 256 --client-procs 8 --out "$OUT/h200_triton.json" 2>&1 | grep -v "^|" | tail -4
+            pkill -9 triton_python_b ;;
+    decode) timeout 240 python3 bench/gpu_decode.py --shapes llama-1b llama-8b --batches-1b 1 64 \
+              --batches-8b 1 --repeats 4 --no-hf --out "$OUT/h200_decode.json" 2>&1 | grep "^{" ;;
+  esac
+done
