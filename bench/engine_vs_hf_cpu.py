@@ -29,8 +29,10 @@ from hsserve import Engine, EngineConfig, GenerationRequest, SamplingParams  # n
 from hsserve.engine_setup import model_folder  # noqa: E402
 
 
-def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(batch)
+def prompts(batch: int, length: int, vocab: int, repeat: int = 0) -> list[list[int]]:
+    """Random prompts; each repeat gets its own, so the engine's prefix cache never serves a
+    prompt that an earlier repeat computed (transformers has no such cache)."""
+    g = torch.Generator().manual_seed(batch * 1000 + repeat)
     return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
 
 
@@ -80,9 +82,9 @@ def engine_part(args) -> tuple[dict[int, float], Engine]:
         engine_run(engine, prompts(2, args.prompt_len, vocab), 8, "warm")
         out = {}
         for b in args.batches:
-            batch = prompts(b, args.prompt_len, vocab)
             out[b] = statistics.median(
-                engine_run(engine, batch, args.new, f"b{b}r{r}-") for r in range(args.repeats)
+                engine_run(engine, prompts(b, args.prompt_len, vocab, r), args.new, f"b{b}r{r}-")
+                for r in range(args.repeats)
             )
             print(f"engine batch {b}: {out[b]:.1f} tok/s", flush=True)
     finally:
