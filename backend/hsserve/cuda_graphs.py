@@ -30,17 +30,18 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 def fill_host_inputs(meta: np.ndarray, tables_out: np.ndarray, ids: list[int], positions: list[int],
-                     slots: list[int], lens: list[int], tables: list[list[int]], size: int) -> None:
+                     slots: list[int], lens: list[int], tables: list[list[int]], size: int) -> int:
     """Write one step's inputs into the host buffers (numpy views of the pinned tensors; numpy
     takes Python lists at half the cost of torch.tensor): meta rows ids, positions, slots, lengths
     for n = len(ids) rows, padding rows n..size-1 (slot -1, length 0: they write and read
-    nothing), and each row's block table, zero-padded to the widest."""
+    nothing), and each row's block table, zero-padded to the widest. Returns that width."""
     n = len(ids)
     width = max(len(t) for t in tables)
     meta[:, :n] = (ids, positions, slots, lens)
     meta[2, n:size] = -1
     meta[3, n:size] = 0
     tables_out[:n, :width] = [t + [0] * (width - len(t)) for t in tables]
+    return width
 
 
 class DecodeGraphs:
@@ -114,11 +115,10 @@ class DecodeGraphs:
         None) as views of the static buffers (valid until the next run)."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
-        width = max(len(t) for t in tables)
         # NOTE: the previous step's copies out of the pinned buffers are done: its results were
         # read on the host (a synchronization) before this step was scheduled
-        fill_host_inputs(self.host_meta_np, self.host_tables_np, ids, positions, slots, lens, tables,
-                         size)
+        width = fill_host_inputs(self.host_meta_np, self.host_tables_np, ids, positions, slots,
+                                 lens, tables, size)
         self.meta[:, :size].copy_(self.host_meta[:, :size], non_blocking=True)
         self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
         self.graphs[(size, with_rows and self.rows is not None)].replay()

@@ -22,7 +22,7 @@ import torch
 from hsserve.config import EngineConfig
 from hsserve.admission import Admission
 from hsserve.engine_setup import EngineParts, build_engine_parts
-from hsserve.executor import StepOutput
+from hsserve.executor import StepOutput, flagged
 from hsserve.request import (
     Delta,
     EngineUnavailable,
@@ -246,11 +246,8 @@ class Engine:
         """Apply queued messages; False when asked to stop."""
         try:
             if block:
-                self.device_wait.set()  # NOTE: idle, the loop needs no GIL
-                try:
+                with flagged(self.device_wait):  # NOTE: idle, the loop needs no GIL
                     msg = self._inbox.get(timeout=0.5)
-                finally:
-                    self.device_wait.clear()
             else:
                 msg = self._inbox.get_nowait()
         except queue.Empty:

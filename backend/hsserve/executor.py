@@ -7,6 +7,7 @@ for the rows that leave the device, computes logits only where a token is sample
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +22,17 @@ from hsserve.models.decoder import Decoder
 from hsserve.request import HiddenStatesMode
 from hsserve.sampler import sample
 from hsserve.scheduler import Chunk
+
+
+@contextmanager
+def flagged(event: threading.Event):
+    """`event` set for the duration of the block: the loop thread is blocked there (on the device,
+    or on its inbox) and needs no GIL."""
+    event.set()
+    try:
+        yield
+    finally:
+        event.clear()
 
 
 @dataclass
@@ -94,15 +106,16 @@ class Executor:
         self._wait = self._wait_device if self.device.type == "cuda" else None
 
     def _wait_device(self) -> None:
-        self.device_wait.set()
-        try:
+        with flagged(self.device_wait):
             torch.cuda.current_stream(self.device).synchronize()
-        finally:
-            self.device_wait.clear()
+
+    def _slot(self, block_table: list[int], position: int) -> int:
+        """Where the K/V of the token at `position` goes in the cache (a flat slot index)."""
+        bs = self.block_size
+        return block_table[position // bs] * bs + position % bs
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        return [self._slot(block_table, p) for p in range(start, end)]
 
     def _attention_batch(self, chunks: list[Chunk], slot_mapping: list[int]) -> AttentionBatch:
         dev = self.device
@@ -209,7 +222,7 @@ class Executor:
 
     def _execute_graph(self, chunks: list[Chunk]) -> StepOutput:
         """A decode-only step through the captured graphs."""
-        g, bs, dev = self.graphs, self.block_size, self.device
+        g, dev = self.graphs, self.device
         wanted = [rows_to_capture(c) for c in chunks]
         # NOTE: index tensors built before the replay is queued (a blocking copy would wait for it)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
@@ -219,7 +232,7 @@ class Executor:
         logits, rows = g.run(
             [c.seq.token_ids[c.start] for c in chunks],
             [c.start for c in chunks],
-            [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
+            [self._slot(c.seq.block_table, c.start) for c in chunks],
             [c.seq.block_table for c in chunks],
             [c.end for c in chunks],
             with_rows=any(len(w) for w in wanted),

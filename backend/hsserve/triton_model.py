@@ -72,8 +72,8 @@ def _tensor(name: str, value: torch.Tensor):
 
 
 def _numbers(name: str, values: list[int], dtype) -> object:
-    """Small integer outputs from numpy: half the stub-side cost of torch + DLPack per response
-    (measured in tritonserver 2.51's stub: ~70 vs ~155 us for one streamed token's response)."""
+    """Small integer outputs from numpy: cheaper in the stub than torch + DLPack (measured with
+    tritonserver 2.51, bench/response_cost.py: 79-84 vs 127-143 us to build a token's response)."""
     return pb_utils.Tensor(name, np.asarray(values, dtype=dtype))
 
 
@@ -195,8 +195,8 @@ class TritonPythonModel:
         after its last one, so at 64 streams each response carries several tokens while a lone
         stream still gets every token at once; first and final responses never wait for the budget.
         On a GPU each response also waits for the engine's loop to be blocked on the device or
-        idle (a round waits at most _GATE_MAX_WAIT_S in all): two Python threads busy at once slow each other through
-        the GIL, and the loop's step is what every stream waits for."""
+        idle (a round waits at most _GATE_MAX_WAIT_S in all): two Python threads busy at once slow
+        each other through the GIL, and the loop's step is what every stream waits for."""
         held: dict[tuple[str, int], list[Delta]] = {}
         next_at: dict[tuple[str, int], float] = {}
         stop = False
