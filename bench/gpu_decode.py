@@ -94,8 +94,10 @@ def graph_replay_ms(engine: Engine, batch: int) -> float:
     return start.elapsed_time(end) / 50
 
 
-def make_engine(folder: str, batch: int, ceiling=HiddenStatesMode.FULL) -> Engine:
+def make_engine(folder: str, batch: int, ceiling=HiddenStatesMode.FULL,
+                async_scheduling: str = "auto") -> Engine:
     return Engine(EngineConfig(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
+                               async_scheduling=async_scheduling,
                                max_num_seqs=max(batch, 1), max_model_len=PROMPT + NEW + 16,
                                hidden_states_ceiling=ceiling,
                                hidden_layers_captured=(-1,) if ceiling else None,
@@ -152,6 +154,7 @@ def main() -> None:
     ap.add_argument("--batches-8b", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200.json"))
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -161,7 +164,7 @@ def main() -> None:
         folder = random_model(shape)
         short = shape.split("-")[1]
         for batch in (args.batches_1b if short == "1b" else args.batches_8b):
-            engine = make_engine(folder, batch)
+            engine = make_engine(folder, batch, async_scheduling=args.async_scheduling)
             try:
                 r = best_of(engine, batch, args.repeats)
                 graph_ms = graph_replay_ms(engine, batch)
@@ -179,7 +182,8 @@ def main() -> None:
             finally:
                 engine.shutdown()
             if batch == 64 and short == "1b":
-                plain = make_engine(folder, batch, ceiling=HiddenStatesMode.NONE)
+                plain = make_engine(folder, batch, ceiling=HiddenStatesMode.NONE,
+                                    async_scheduling=args.async_scheduling)
                 try:
                     p = best_of(plain, batch, args.repeats)
                 finally:
@@ -199,6 +203,7 @@ def main() -> None:
                 keys["step_over_roofline_bs1_8b"] = row["step_over_roofline"]
     write_result(args.out, {"benchmark": "gpu_decode", "copy_bandwidth_tb_s": round(bw / 1e12, 3),
                             "prompt_len": PROMPT, "new_tokens": NEW, "dtype": "bfloat16",
+                            "async_scheduling": args.async_scheduling,
                             **keys, "rows": rows})
 
 

@@ -40,6 +40,9 @@ class EngineConfig:
     num_kv_blocks: int = 0  # >0 overrides the memory-derived size (tests, small pools)
     enable_prefix_caching: bool = True
     enable_cuda_graph: bool = True
+    # NOTE: queue decode step t+1 before reading step t, so the loop's Python (reading, stop
+    # checks, publishing, scheduling) runs while the device computes. auto = on for CUDA.
+    async_scheduling: str = "auto"
     # NOTE: Triton: when the server stops, requests in flight may finish for this long, then the
     # rest end with UNAVAILABLE (keep it below tritonserver's --exit-timeout-secs)
     drain_timeout_s: float = 5.0
@@ -55,6 +58,8 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} not in {_DTYPES}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format: {self.load_format!r}; allowed: auto, dummy")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(f"async_scheduling: {self.async_scheduling!r}; allowed: auto, on, off")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ConfigError(f"device: {self.device!r}; allowed: auto, cpu, cuda[:N]")
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_tokens_limit"):

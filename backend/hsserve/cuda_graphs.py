@@ -7,6 +7,11 @@ buffer. A step whose rows are all MODE=none (or not due yet) replays the graph w
 so it pays nothing for the ceiling. Logits (float32) are computed inside the graph; sampling and
 the device-to-host copies happen after the replay. Nothing is captured after start:
 `num_captures` proves it.
+
+A row's input token is either given by the host or, when the engine queued this step before it
+read the previous one, the previous step's sample still on the device: row 0 of the static
+buffer holds the samples (the executor writes them there), and each row names where its token is
+(`source`, a flat index into the buffer), so the graph picks every input with one gather.
 """
 
 from __future__ import annotations
@@ -29,17 +34,24 @@ def batch_ladder(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def fill_host_inputs(meta: np.ndarray, tables_out: np.ndarray, ids: list[int], positions: list[int],
-                     slots: list[int], lens: list[int], tables: list[list[int]], size: int) -> int:
+def fill_host_inputs(meta: np.ndarray, tables_out: np.ndarray, ids: list[int], sources: list[int],
+                     positions: list[int], slots: list[int], lens: list[int],
+                     tables: list[list[int]], size: int) -> int:
     """Write one step's inputs into the host buffers (numpy views of the pinned tensors; numpy
-    takes Python lists at half the cost of torch.tensor): meta rows ids, positions, slots, lengths
-    for n = len(ids) rows, padding rows n..size-1 (slot -1, length 0: they write and read
-    nothing), and each row's block table, zero-padded to the widest. Returns that width."""
+    takes Python lists at half the cost of torch.tensor): meta rows ids, sources, positions,
+    slots, lengths for n = len(ids) rows, padding rows n..size-1 (slot -1, length 0: they write
+    and read nothing), and each row's block table, zero-padded to the widest. A row's source is
+    where the graph reads its input token in the static buffer [samples; ids; ...] of width
+    meta.shape[1]: its entry of `ids` when `sources` gives -1, else that entry of the samples.
+    Returns the table width."""
     n = len(ids)
+    b = meta.shape[1]
     width = max(len(t) for t in tables)
-    meta[:, :n] = (ids, positions, slots, lens)
-    meta[2, n:size] = -1
-    meta[3, n:size] = 0
+    src = np.asarray(sources, dtype=np.int64)
+    meta[:, :n] = (ids, np.where(src >= 0, src, b + np.arange(n)), positions, slots, lens)
+    meta[1, n:size] = 0
+    meta[3, n:size] = -1
+    meta[4, n:size] = 0
     tables_out[:n, :width] = [t + [0] * (width - len(t)) for t in tables]
     return width
 
@@ -55,15 +67,20 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.layers = list(layers)
         b = max_batch
-        # NOTE: one int64 [4, B] buffer (ids, positions, slots, lengths) and one block-table
-        # buffer, each filled by a single copy from pinned host memory per step
-        self.meta = torch.zeros(4, b, dtype=torch.long, device=dev)
-        self.meta[2].fill_(-1)
-        self.ids, self.positions, self.slots, self.lens = self.meta.unbind(0)
+        # NOTE: one int64 [6, B] buffer: row 0 the last samples (written by the executor), rows
+        # 1-5 (ids, sources, positions, slots, lengths) filled by a single copy from pinned host
+        # memory per step, and one block-table buffer likewise
+        self.buf = torch.zeros(6, b, dtype=torch.long, device=dev)
+        self.sampled, self.meta = self.buf[0], self.buf[1:]
+        self.meta[3].fill_(-1)
+        self.ids, self.sources, self.positions, self.slots, self.lens = self.meta.unbind(0)
         self.tables = torch.zeros(b, max_pages, dtype=torch.int32, device=dev)
-        self.host_meta = torch.zeros(4, b, dtype=torch.long).pin_memory()
-        self.host_tables = torch.zeros(b, max_pages, dtype=torch.int32).pin_memory()
+        # NOTE: two host slots, used in turn: a step's copies out of its slot may still be queued
+        # when the next step is prepared (steps overlap), never when the one after is
+        self.host_meta = torch.zeros(2, 5, b, dtype=torch.long).pin_memory()
+        self.host_tables = torch.zeros(2, b, max_pages, dtype=torch.int32).pin_memory()
         self.host_meta_np, self.host_tables_np = self.host_meta.numpy(), self.host_tables.numpy()
+        self._turn = 0
         self.rows_index = torch.arange(b, device=dev)
         self.logits = torch.empty(b, spec.vocab_size, dtype=torch.float32, device=dev)
         self.rows = (
@@ -86,7 +103,8 @@ class DecodeGraphs:
             spec = self.model.spec
             capture = HiddenCapture(self.layers, None, spec.hidden_size, self.model.embed.dtype,
                                     out=self.rows[:size])
-        hidden = self.model(self.ids[:size], self.positions[:size], batch, self.kv_cache, capture)
+        ids = self.buf.view(-1)[self.sources[:size]]
+        hidden = self.model(ids, self.positions[:size], batch, self.kv_cache, capture)
         self.model.logits(hidden, out=self.logits[:size])
 
     @torch.inference_mode()
@@ -109,18 +127,19 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured %d decode graphs (batch sizes %s)", self.num_captures, self.sizes)
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int],
+    def run(self, ids: list[int], sources: list[int], positions: list[int], slots: list[int],
             tables: list[list[int]], lens: list[int], with_rows: bool):
-        """Replay for len(ids) sequences; returns (logits [n, vocab], rows [n, layers, hidden] or
-        None) as views of the static buffers (valid until the next run)."""
+        """Replay for len(ids) sequences (`sources` as in fill_host_inputs); returns (logits
+        [n, vocab], rows [n, layers, hidden] or None) as views of the static buffers (valid until
+        the next run is queued)."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
-        # NOTE: the previous step's copies out of the pinned buffers are done: its results were
-        # read on the host (a synchronization) before this step was scheduled
-        width = fill_host_inputs(self.host_meta_np, self.host_tables_np, ids, positions, slots,
-                                 lens, tables, size)
-        self.meta[:, :size].copy_(self.host_meta[:, :size], non_blocking=True)
-        self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        t = self._turn
+        self._turn ^= 1
+        width = fill_host_inputs(self.host_meta_np[t], self.host_tables_np[t], ids, sources,
+                                 positions, slots, lens, tables, size)
+        self.meta[:, :size].copy_(self.host_meta[t, :, :size], non_blocking=True)
+        self.tables[:n, :width].copy_(self.host_tables[t, :n, :width], non_blocking=True)
         self.graphs[(size, with_rows and self.rows is not None)].replay()
         rows = self.rows[:n] if with_rows and self.rows is not None else None
         return self.logits[:n], rows

@@ -3,6 +3,12 @@
 One step: schedule (who runs) -> execute (tensors) -> postprocess (append, finish, free) ->
 publish deltas. Only the loop thread touches the scheduler, the pool and the executor.
 
+With async scheduling (on CUDA by default) a step is launched and read later: while decode step
+t runs on the device, the loop queues step t+1 for the same sequences (their input tokens are
+t's samples, still on the device), then reads t and postprocesses it. A sequence that stopped at
+t wastes its row of t+1 (or, in full/last mode, takes it: it is its last token's row). New
+prompts, preemption and anything else the scheduler decides wait until nothing is in flight.
+
 Test-only: HSSERVE_TEST_CRASH_AFTER_STEPS=N (read once, when the Engine is made) makes the loop
 itself raise after N steps, as a bug escaping it would, so that tests can kill the engine of a real
 server. Never set it in production.
@@ -22,7 +28,7 @@ import torch
 from hsserve.config import EngineConfig
 from hsserve.admission import Admission
 from hsserve.engine_setup import EngineParts, build_engine_parts
-from hsserve.executor import StepOutput, flagged
+from hsserve.executor import Launched, StepOutput, flagged
 from hsserve.request import (
     Delta,
     EngineUnavailable,
@@ -58,6 +64,8 @@ class Engine:
         self.num_steps = 0
         self.stats = EngineStats()
         self.num_mixed_steps = 0  # steps that ran prefill and decode together
+        self.num_ahead_steps = 0  # steps queued before the previous one was read
+        self._inflight: Launched | None = None  # NOTE: launched, not read yet (async scheduling)
         self.error: BaseException | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(
@@ -77,6 +85,8 @@ class Engine:
         self.device_wait: threading.Event = p.executor.device_wait
         self.device: torch.device = p.executor.device
         self.eos_ids = frozenset(self.spec.eos_token_ids)
+        mode = self.config.async_scheduling
+        self._async = mode == "on" or (mode == "auto" and self.device.type == "cuda")
         self._admission = Admission(
             self.config, p.spec, p.tokenizer, p.max_model_len, p.max_prompt_tokens, p.captured_layers
         )
@@ -197,14 +207,15 @@ class Engine:
         clean = False
         try:
             while True:
-                if not self._drain(block=not self.scheduler.has_work()):
+                if not self._drain(block=not self._has_work()):
                     break
-                if self.scheduler.has_work():
+                if self._has_work():
                     try:
                         self._step()
                     except Exception as e:  # NOTE: fail what is in flight, keep serving
                         log.exception("engine step failed")
                         self.error = e
+                        self._inflight = None
                         self._fail_all(f"engine step failed: {e!r}")
                     if 0 < self._crash_after_steps <= self.num_steps:  # NOTE: test-only hook
                         raise RuntimeError(f"{TEST_CRASH_ENV}={self._crash_after_steps}: crash")
@@ -235,6 +246,12 @@ class Engine:
     def _release(self) -> None:
         """Drop the weights and the KV cache so their memory returns (the pool's ids stay)."""
         cuda = self.device.type == "cuda"
+        self._inflight = None
+        if cuda:
+            try:
+                torch.cuda.synchronize(self.device)  # NOTE: a launched step may still be running
+            except RuntimeError:
+                log.exception("device error while stopping")
         self.model = self.executor = None
         if cuda:
             gc.collect()  # NOTE: CUDA graphs and their memory pool go only when collected
@@ -284,19 +301,70 @@ class Engine:
                 seq.finish_reason = FinishReason.CANCELLED
                 self._finish(seq, publish_rest=False)
 
+    def _has_work(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_work()
+
     def _step(self) -> None:
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            ahead = self._plan_ahead(prev)
+            if ahead:
+                self._inflight = self._launch(ahead, prev)
+                self.num_ahead_steps += 1
+            self._complete(prev)
+            if ahead:
+                return
         chunks = self.scheduler.schedule()
         if not chunks:
             return
-        out = self.executor.execute(chunks)
+        step = self._launch(chunks)
+        if self._async:
+            self._inflight = step
+        else:
+            self._complete(step)
+
+    def _launch(self, chunks: list[Chunk], prev: Launched | None = None) -> Launched:
+        step = self.executor.launch(chunks, prev)
         self.num_steps += 1
         decodes = sum(c.num_tokens == 1 for c in chunks)
         self.num_mixed_steps += 0 < decodes < len(chunks)
-        self._postprocess(chunks, out)
+        return step
+
+    def _complete(self, step: Launched) -> None:
+        self._postprocess(step.chunks, self.executor.complete(step))
+
+    def _plan_ahead(self, prev: Launched) -> list[Chunk] | None:
+        """The decode step after prev for the sequences prev sampled, reading prev's samples on
+        the device; None when the scheduler must decide first (read prev, then schedule)."""
+        sched = self.scheduler
+        if not all(prev.sampled):
+            return None  # NOTE: a prompt in progress, or a row-only step
+        if sched.waiting and len(sched.running) < self.config.max_num_seqs:
+            return None  # NOTE: prompts to admit
+        chunks, need = [], 0
+        for c in prev.chunks:
+            seq = c.seq
+            if seq.status is not Status.RUNNING or seq.finish_reason is not None:
+                continue  # NOTE: cancelled since prev was launched
+            sp = seq.sampling
+            last = seq.num_generated + 1 >= sp.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+            if last and not seq.wants_rows:
+                continue
+            chunks.append(Chunk(seq, c.end, 1, ahead=True, last_input=last))
+            need += self.pool.blocks_for(c.end + 1) - len(seq.block_table)
+        if not chunks or not self.pool.can_allocate(need):
+            return None  # NOTE: the scheduler preempts when the pool runs dry
+        for c in chunks:
+            c.seq.block_table += self.pool.allocate(self.pool.blocks_for(c.end) - len(c.seq.block_table))
+        return chunks
 
     def _postprocess(self, chunks: list[Chunk], out: StepOutput) -> None:
         for i, c in enumerate(chunks):
             seq = c.seq
+            if seq.status is Status.FINISHED:
+                continue  # NOTE: stopped or cancelled while this step ran ahead
+            # NOTE: a step queued ahead sampled for a sequence that then stopped: void
+            decided = seq.finish_reason is not None
             seq.num_computed = c.end
             self.scheduler.cache_computed(seq)
             rows = out.rows[i]
@@ -305,7 +373,7 @@ class Engine:
                     seq.pending_rows.append(rows)
                 else:
                     seq.last_row = rows
-            token = out.tokens[i]
+            token = None if decided else out.tokens[i]
             if token is not None:
                 self._append_token(seq, token)
             done = seq.finish_reason is not None and (

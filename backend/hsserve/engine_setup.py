@@ -107,7 +107,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     pool = BlockPool(blocks, bs, enable_caching=config.enable_prefix_caching)
     log.info("model %s on %s (%s): %d KV blocks of %d tokens", folder, device, model.embed.dtype, blocks, bs)
     layers = captured_layers(config, spec)
-    executor = Executor(model, kv_cache, bs)
+    executor = Executor(model, kv_cache, bs, config.max_num_seqs)
     if config.enable_cuda_graph and executor.kernels:
         # NOTE: captured once for the ceiling and the captured layer set; never again
         graph_layers = list(layers) if config.hidden_states_ceiling != HiddenStatesMode.NONE else []

@@ -2,6 +2,9 @@
 
 Builds the flat token batch and its AttentionBatch, runs the decoder with hidden-state capture
 for the rows that leave the device, computes logits only where a token is sampled, samples.
+`launch` queues all of that and the copies of its results to the host without waiting for the
+device; `complete` waits for them. Between the two the engine may queue the next step, whose
+input tokens are this step's samples, still on the device (Chunk.ahead).
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -22,6 +24,7 @@ from hsserve.models.decoder import Decoder
 from hsserve.request import HiddenStatesMode
 from hsserve.sampler import sample
 from hsserve.scheduler import Chunk
+from hsserve.transfer import download, upload
 
 
 @contextmanager
@@ -42,45 +45,42 @@ class StepOutput:
     row_starts: list[int]  # per chunk: token position of its first returned row
 
 
+@dataclass
+class Launched:
+    """A step queued on the device whose results have not been read."""
+
+    chunks: list[Chunk]
+    sampled: list[bool]  # per chunk: a token was sampled (decided at launch)
+    tokens: torch.Tensor | None  # host copy of the samples, one per sampling chunk
+    captured: torch.Tensor | None  # host copy [rows, len(layers), hidden] float32
+    layers: list[int]  # captured's layers, in column order
+    slices: list[tuple[int, int]]  # per chunk: (first, count) of its rows in captured
+    row_starts: list[int]
+    done: torch.cuda.Event | None  # recorded after the copies (CUDA)
+
+
 def rows_to_capture(chunk: Chunk) -> range:
     """Token positions of this chunk whose hidden rows must leave the device."""
     seq = chunk.seq
     if seq.hidden_mode == HiddenStatesMode.FULL:
         # NOTE: after a preemption, rows already produced are recomputed but not returned again.
         return range(max(chunk.start, seq.num_rows_done), chunk.end)
-    if seq.hidden_mode == HiddenStatesMode.LAST and chunk.completes and seq.finish_reason:
+    if seq.hidden_mode == HiddenStatesMode.LAST and (
+        chunk.ahead or (chunk.completes and seq.finish_reason)
+    ):
+        # NOTE: a step queued ahead cannot know whether its input is the last token (EOS is
+        # read later): the row is taken, and kept only if it was
         return range(chunk.end - 1, chunk.end)
     return range(0)
 
 
-def sample_chunks(logits: torch.Tensor | None, chunks: list[Chunk],
-                  wait: Callable[[], None] | None = None) -> list[int | None]:
-    """Per chunk the sampled token, or None; `logits` has one row per chunk that samples.
-    `wait` (if any) is called once the sampling is queued, before the tokens are read."""
-    flags = [c.samples for c in chunks]
-    sampling = [c for c, f in zip(chunks, flags) if f]
-    if not sampling:
-        return [None] * len(chunks)
-    tokens = sample(
-        logits,
-        [c.seq.sampling for c in sampling],
-        [c.seq.seed for c in sampling],
-        [c.seq.num_generated for c in sampling],
-    )
-    if wait is not None:
-        wait()
-    it = iter(tokens.tolist())
-    return [next(it) if f else None for f in flags]
-
-
 def split_rows(captured: torch.Tensor | None, layers: list[int], chunks: list[Chunk],
                slices: list[tuple[int, int]]) -> list[torch.Tensor | None]:
-    """Per chunk its rows [n, len(its layers) * hidden] float32 on the CPU, or None: chunk i owns
+    """Per chunk its rows [n, len(its layers) * hidden], or None: chunk i owns
     captured[first : first + n] ([rows, len(layers), hidden], `layers` in column order)."""
     rows: list[torch.Tensor | None] = [None] * len(chunks)
     if captured is None:
         return rows
-    captured = captured.float().cpu()
     column = {k: i for i, k in enumerate(layers)}
     for i, (c, (first, n)) in enumerate(zip(chunks, slices)):
         if n:
@@ -89,8 +89,17 @@ def split_rows(captured: torch.Tensor | None, layers: list[int], chunks: list[Ch
     return rows
 
 
+def sources_of(chunks: list[Chunk], prev: Launched | None) -> list[int]:
+    """Per chunk, for a chunk queued ahead: which of prev's samples is its input token; else -1."""
+    if prev is None:
+        return [-1] * len(chunks)
+    order = [c.seq for c, f in zip(prev.chunks, prev.sampled) if f]
+    where = {id(seq): j for j, seq in enumerate(order)}
+    return [where[id(c.seq)] if c.ahead else -1 for c in chunks]
+
+
 class Executor:
-    def __init__(self, model: Decoder, kv_cache: torch.Tensor, block_size: int):
+    def __init__(self, model: Decoder, kv_cache: torch.Tensor, block_size: int, max_num_seqs: int):
         self.model = model
         self.graphs: DecodeGraphs | None = None  # set by engine setup on CUDA
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
@@ -103,11 +112,13 @@ class Executor:
         # NOTE: set while this thread is blocked on the device (it holds no GIL then): other
         # Python threads of the process (the Triton adapter's sender) do their work in that window
         self.device_wait = threading.Event()
-        self._wait = self._wait_device if self.device.type == "cuda" else None
+        self._sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
 
-    def _wait_device(self) -> None:
-        with flagged(self.device_wait):
-            torch.cuda.current_stream(self.device).synchronize()
+    @property
+    def sampled(self) -> torch.Tensor:
+        """The last step's samples, on the device, where a step queued ahead reads its inputs
+        (the decode graphs read them from their own static buffer)."""
+        return self.graphs.sampled if self.graphs is not None else self._sampled
 
     def _slot(self, block_table: list[int], position: int) -> int:
         """Where the K/V of the token at `position` goes in the cache (a flat slot index)."""
@@ -173,16 +184,55 @@ class Executor:
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk]) -> StepOutput:
+        """Run one step and read its results."""
+        return self.complete(self.launch(chunks))
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[Chunk], prev: Launched | None = None) -> Launched:
+        """Queue one step and the copies of its results; chunks queued ahead take their input
+        tokens from prev's samples on the device. Never waits for the device on the graph path."""
+        sources = sources_of(chunks, prev)
         g = self.graphs
         if g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks):
-            return self._execute_graph(chunks)
-        ids, positions, slot_mapping = [], [], []
+            logits, captured, layers, slices, starts = self._forward_graph(chunks, sources)
+        else:
+            logits, captured, layers, slices, starts = self._forward_eager(chunks, sources)
+        sampled = [c.samples for c in chunks]
+        tokens = None
+        if logits is not None:
+            sampling = [c for c, f in zip(chunks, sampled) if f]
+            samples = sample(logits, [c.seq.sampling for c in sampling],
+                             [c.seq.seed for c in sampling],
+                             [c.end - c.seq.num_prompt_tokens for c in sampling])
+            self.sampled[: len(sampling)].copy_(samples)
+            tokens = download(samples)
+        if captured is not None:
+            captured = download(captured.float())
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Launched(chunks, sampled, tokens, captured, layers, slices, starts, done)
+
+    def complete(self, step: Launched) -> StepOutput:
+        """Wait for a launched step and hand out its tokens and rows."""
+        if step.done is not None:
+            with flagged(self.device_wait):
+                step.done.synchronize()
+        it = iter(step.tokens.tolist() if step.tokens is not None else ())
+        tokens = [next(it) if f else None for f in step.sampled]
+        rows = split_rows(step.captured, step.layers, step.chunks, step.slices)
+        return StepOutput(tokens, rows, step.row_starts)
+
+    def _forward_eager(self, chunks: list[Chunk], sources: list[int]):
+        ids, positions, slot_mapping, row_sources = [], [], [], []
         logit_rows, capture_rows, row_starts, capture_slices = [], [], [], []
         layers: list[int] = []
         row = 0
-        for c in chunks:
+        for c, src in zip(chunks, sources):
             seq = c.seq
-            ids += seq.token_ids[c.start : c.end]
+            ids += [0] if c.ahead else seq.token_ids[c.start : c.end]
+            row_sources += [src] * c.num_tokens
             positions += range(c.start, c.end)
             slot_mapping += self._slots(seq.block_table, c.start, c.end)
             if c.samples:
@@ -204,43 +254,38 @@ class Executor:
                 self.model.spec.hidden_size,
                 self.model.embed.dtype,
             )
-        # NOTE: built before the forward is queued: a blocking copy after it would wait for it
         logit_index = torch.tensor(logit_rows, device=dev) if logit_rows else None
-        hidden = self.model(
-            torch.tensor(ids, device=dev),
-            torch.tensor(positions, device=dev),
-            batch,
-            self.kv_cache,
-            capture,
-        )
-        logits = None
-        if logit_index is not None:
-            logits = self.model.logits(hidden[logit_index])
+        ids_t = torch.tensor(ids, device=dev)
+        if any(s >= 0 for s in sources):
+            src = torch.tensor(row_sources, device=dev)
+            ids_t = torch.where(src >= 0, self.sampled[src.clamp(min=0)], ids_t)
+        hidden = self.model(ids_t, torch.tensor(positions, device=dev), batch, self.kv_cache, capture)
+        logits = self.model.logits(hidden[logit_index]) if logit_index is not None else None
         captured = capture.out if capture is not None else None
-        return StepOutput(sample_chunks(logits, chunks, self._wait),
-                          split_rows(captured, layers, chunks, capture_slices), row_starts)
+        return logits, captured, layers, capture_slices, row_starts
 
-    def _execute_graph(self, chunks: list[Chunk]) -> StepOutput:
+    def _forward_graph(self, chunks: list[Chunk], sources: list[int]):
         """A decode-only step through the captured graphs."""
         g, dev = self.graphs, self.device
         wanted = [rows_to_capture(c) for c in chunks]
-        # NOTE: index tensors built before the replay is queued (a blocking copy would wait for it)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
-        pick = torch.tensor(sampling, device=dev) if 0 < len(sampling) < len(chunks) else None
+        pick = upload(sampling, dev) if 0 < len(sampling) < len(chunks) else None
         keep = [i for i, w in enumerate(wanted) if len(w)]  # NOTE: only these rows leave the GPU
-        keep_index = torch.tensor(keep, device=dev) if keep else None
+        keep_index = upload(keep, dev) if keep else None
         logits, rows = g.run(
-            [c.seq.token_ids[c.start] for c in chunks],
+            [0 if c.ahead else c.seq.token_ids[c.start] for c in chunks],
+            sources,
             [c.start for c in chunks],
             [self._slot(c.seq.block_table, c.start) for c in chunks],
             [c.seq.block_table for c in chunks],
             [c.end for c in chunks],
-            with_rows=any(len(w) for w in wanted),
+            with_rows=bool(keep),
         )
-        if pick is not None:
+        if not sampling:
+            logits = None
+        elif pick is not None:
             logits = logits[pick]
         captured = rows[keep_index] if keep_index is not None else None
         position = {i: j for j, i in enumerate(keep)}
         slices = [(position.get(i, 0), len(w)) for i, w in enumerate(wanted)]
-        return StepOutput(sample_chunks(logits, chunks, self._wait),
-                          split_rows(captured, g.layers, chunks, slices), [w.start for w in wanted])
+        return logits, captured, g.layers, slices, [w.start for w in wanted]

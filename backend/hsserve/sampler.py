@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from hsserve.request import SamplingParams
+from hsserve.transfer import upload
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 constants as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -58,17 +59,11 @@ def sample(
     if not rows:
         return out
     dev = logits.device
-
-    def on_dev(values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
-        # NOTE: a non-blocking copy does not wait for the queued forward (torch.tensor(...,
-        # device=) would), so the loop blocks on the device only where it means to
-        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-    idx = on_dev(rows)
-    x = logits[idx] / on_dev([params[i].temperature for i in rows])[:, None]
+    idx = upload(rows, dev)
+    x = logits[idx] / upload([params[i].temperature for i in rows], dev, torch.float32)[:, None]
     top_k = [params[i].top_k for i in rows]
     if any(k > 0 for k in top_k):
-        k = on_dev([k if k > 0 else x.shape[1] for k in top_k])
+        k = upload([k if k > 0 else x.shape[1] for k in top_k], dev)
         kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
     top_p = [params[i].top_p for i in rows]
@@ -76,10 +71,10 @@ def sample(
         sorted_x, order = x.sort(dim=-1, descending=True)
         probs = sorted_x.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
-        drop = before > on_dev(top_p)[:, None]
+        drop = before > upload(top_p, dev, torch.float32)[:, None]
         x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
-    seed_t = on_dev([as_int64(seeds[i]) for i in rows], torch.int64)
-    step_t = on_dev([steps[i] for i in rows], torch.int64)
+    seed_t = upload([as_int64(seeds[i]) for i in rows], dev)
+    step_t = upload([steps[i] for i in rows], dev)
     gumbel = -torch.log(-torch.log(uniform_noise(seed_t, step_t, x.shape[1])))
     out[idx] = (x + gumbel).argmax(dim=-1)
     return out

@@ -23,6 +23,10 @@ class Chunk:
     seq: Sequence
     start: int
     num_tokens: int
+    # NOTE: queued ahead (engine): before the previous step was read, so its one input token is
+    # that step's sample, still on the device (start == seq.num_tokens when queued)
+    ahead: bool = False
+    last_input: bool = False  # ahead: that token is the sequence's last by length, so no sample
 
     @property
     def end(self) -> int:
@@ -35,6 +39,8 @@ class Chunk:
 
     @property
     def samples(self) -> bool:
+        if self.ahead:
+            return not self.last_input and self.seq.finish_reason is None
         return self.completes and self.seq.finish_reason is None
 
 

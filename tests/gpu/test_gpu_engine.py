@@ -209,3 +209,13 @@ def test_gpu_no_kernel_is_compiled_while_serving(tiny_dirs):
         assert compiled_variants() == before
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_async_equals_sync(tiny_dirs, graphs):
+    """Steps queued ahead (graph replays reading the previous samples on the device, or eager
+    steps) give what the sync engine gives, float32."""
+    from async_cases import check_async_equals_sync
+
+    check_async_equals_sync(tiny_dirs["llama"], "cuda", vocab=1000, tol=1e-4, block_size=16,
+                            enable_cuda_graph=graphs)

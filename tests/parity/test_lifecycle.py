@@ -21,9 +21,11 @@ from hsserve import (
 )
 
 
-def test_200_mixed_requests_with_aborts_free_every_block(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_200_mixed_requests_with_aborts_free_every_block(tiny_model_dir, async_scheduling):
     engine = Engine(EngineConfig(model=tiny_model_dir("llama"), device="cpu", block_size=4,
-                                 num_kv_blocks=96, max_num_seqs=16)).start()
+                                 num_kv_blocks=96, max_num_seqs=16,
+                                 async_scheduling=async_scheduling)).start()
     rng = random.Random(7)
     streams, aborted = [], set()
     for i in range(200):
