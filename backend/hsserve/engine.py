@@ -370,7 +370,7 @@ class Engine:
             rows = out.rows[i]
             if rows is not None:
                 if seq.hidden_mode == HiddenStatesMode.FULL:
-                    seq.pending_rows.append(rows)
+                    seq.pending_rows.append(rows.tensor())
                 else:
                     seq.last_row = rows
             token = None if decided else out.tokens[i]
@@ -422,7 +422,7 @@ class Engine:
             seq.num_rows_sent += len(hidden)
             seq.pending_rows = []
         elif final and seq.hidden_mode == HiddenStatesMode.LAST and seq.last_row is not None:
-            hidden = seq.last_row
+            hidden = seq.last_row.tensor()
         seq.num_tokens_sent = ready
         delta = Delta(
             request_id=seq.request_id,

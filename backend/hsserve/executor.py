@@ -38,10 +38,31 @@ def flagged(event: threading.Event):
         event.clear()
 
 
+@dataclass(slots=True)
+class Rows:
+    """One chunk's hidden rows in its step's captured block [rows, len(layers), hidden] (float32,
+    host), cut out only when asked: a step queued ahead takes every MODE=last row, and only the
+    sequence's final one is ever used."""
+
+    captured: torch.Tensor
+    first: int
+    count: int
+    layers: list[int]  # captured's layers, in column order
+    wanted: tuple[int, ...]  # the sequence's layers, in its order
+
+    def tensor(self) -> torch.Tensor:
+        """[count, len(wanted) * hidden]"""
+        block = self.captured[self.first : self.first + self.count]
+        if list(self.wanted) != self.layers:
+            column = {k: i for i, k in enumerate(self.layers)}
+            block = block[:, [column[k] for k in self.wanted]]
+        return block.reshape(self.count, -1)
+
+
 @dataclass
 class StepOutput:
     tokens: list[int | None]  # per chunk: the sampled token, None where none was sampled
-    rows: list[torch.Tensor | None]  # per chunk: [rows, len(layers) * hidden] float32 on the CPU
+    rows: list[Rows | None]  # per chunk: its hidden rows, None when none left the device
     row_starts: list[int]  # per chunk: token position of its first returned row
 
 
@@ -75,18 +96,12 @@ def rows_to_capture(chunk: Chunk) -> range:
 
 
 def split_rows(captured: torch.Tensor | None, layers: list[int], chunks: list[Chunk],
-               slices: list[tuple[int, int]]) -> list[torch.Tensor | None]:
-    """Per chunk its rows [n, len(its layers) * hidden], or None: chunk i owns
-    captured[first : first + n] ([rows, len(layers), hidden], `layers` in column order)."""
-    rows: list[torch.Tensor | None] = [None] * len(chunks)
+               slices: list[tuple[int, int]]) -> list[Rows | None]:
+    """Per chunk its Rows, or None: chunk i owns captured[first : first + n]."""
     if captured is None:
-        return rows
-    column = {k: i for i, k in enumerate(layers)}
-    for i, (c, (first, n)) in enumerate(zip(chunks, slices)):
-        if n:
-            cols = [column[k] for k in c.seq.hidden_layers]
-            rows[i] = captured[first : first + n][:, cols].reshape(n, -1)
-    return rows
+        return [None] * len(chunks)
+    return [Rows(captured, first, n, layers, c.seq.hidden_layers) if n else None
+            for c, (first, n) in zip(chunks, slices)]
 
 
 def sources_of(chunks: list[Chunk], prev: Launched | None) -> list[int]:
@@ -271,7 +286,13 @@ class Executor:
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         pick = upload(sampling, dev) if 0 < len(sampling) < len(chunks) else None
         keep = [i for i, w in enumerate(wanted) if len(w)]  # NOTE: only these rows leave the GPU
-        keep_index = upload(keep, dev) if keep else None
+        keep_index = upload(keep, dev) if 0 < len(keep) < len(chunks) else None
+        # NOTE: the layers asked for, in the graph's (ascending) column order
+        wanted_layers = sorted(set().union(*{chunks[i].seq.hidden_layers for i in keep}))
+        cols = None
+        if len(wanted_layers) < len(g.layers):
+            column = {k: j for j, k in enumerate(g.layers)}
+            cols = upload([column[k] for k in wanted_layers], dev)
         logits, rows = g.run(
             [0 if c.ahead else c.seq.token_ids[c.start] for c in chunks],
             sources,
@@ -285,7 +306,12 @@ class Executor:
             logits = None
         elif pick is not None:
             logits = logits[pick]
-        captured = rows[keep_index] if keep_index is not None else None
+        layers, captured = g.layers, None
+        if keep:
+            captured = rows[keep_index] if keep_index is not None else rows
+            if cols is not None:  # NOTE: only the layers asked for leave the GPU
+                captured = captured[:, cols]
+                layers = wanted_layers
         position = {i: j for j, i in enumerate(keep)}
         slices = [(position.get(i, 0), len(w)) for i, w in enumerate(wanted)]
-        return logits, captured, g.layers, slices, [w.start for w in wanted]
+        return logits, captured, layers, slices, [w.start for w in wanted]
