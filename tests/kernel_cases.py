@@ -164,3 +164,17 @@ def check_varlen(device, dtype, heads, kv_heads, head_dim, chunks, window=None, 
             ref[r0 + i] = torch.einsum("hk,khd->hd", att, v)
     err = (out.double().cpu() - ref).norm() / ref.norm()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), float(err)
+
+
+def check_argmax(device, rows, vocab, seed=0):
+    """The two-pass argmax equals torch's, ties (lowest index wins) and all -inf rows included."""
+    from hsserve.kernels.argmax import argmax_triton
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g)
+    if rows > 1:
+        x[1, [vocab - 1, 7, vocab // 2]] = 50.0  # NOTE: a tie across slices: index 7 wins
+    if rows > 2:
+        x[2] = float("-inf")
+    x = x.to(device)
+    assert torch.equal(argmax_triton(x), x.argmax(dim=-1))

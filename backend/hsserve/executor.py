@@ -40,8 +40,8 @@ def flagged(event: threading.Event):
 
 @dataclass(slots=True)
 class Rows:
-    """One chunk's hidden rows in its step's captured block [rows, len(layers), hidden] (float32,
-    host), cut out only when asked: a step queued ahead takes every MODE=last row, and only the
+    """One chunk's hidden rows in its step's captured block [rows, len(layers), hidden] (host, the
+    model's dtype), cut out (as float32) only when asked: a step queued ahead takes every MODE=last row, and only the
     sequence's final one is ever used."""
 
     captured: torch.Tensor
@@ -56,7 +56,7 @@ class Rows:
         if list(self.wanted) != self.layers:
             column = {k: i for i, k in enumerate(self.layers)}
             block = block[:, [column[k] for k in self.wanted]]
-        return block.reshape(self.count, -1)
+        return block.reshape(self.count, -1).float()
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Launched:
     chunks: list[Chunk]
     sampled: list[bool]  # per chunk: a token was sampled (decided at launch)
     tokens: torch.Tensor | None  # host copy of the samples, one per sampling chunk
-    captured: torch.Tensor | None  # host copy [rows, len(layers), hidden] float32
+    captured: torch.Tensor | None  # host copy [rows, len(layers), hidden], the model's dtype
     layers: list[int]  # captured's layers, in column order
     slices: list[tuple[int, int]]  # per chunk: (first, count) of its rows in captured
     row_starts: list[int]
@@ -222,7 +222,7 @@ class Executor:
             self.sampled[: len(sampling)].copy_(samples)
             tokens = download(samples)
         if captured is not None:
-            captured = download(captured.float())
+            captured = download(captured)  # NOTE: in the model's dtype (half the bytes of float32)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from hsserve.kernels.argmax import argmax_rows
 from hsserve.request import SamplingParams
 from hsserve.transfer import upload
 
@@ -54,7 +55,7 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]
 ) -> torch.Tensor:
     """logits [B, vocab] float32 -> token ids [B] (int64, on logits' device)."""
-    out = logits.argmax(dim=-1)
+    out = argmax_rows(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out

@@ -217,8 +217,5 @@ def test_gpu_async_equals_sync(tiny_dirs, graphs):
     steps) give what the sync engine gives, float32."""
     from async_cases import check_async_equals_sync
 
-    # NOTE: eager float32 rows on the H200 moved by up to 2.8e-3 of the row norm between the two
-    # runs' different batches, from the second KV page on (20c21d4; tokens equal); the graph path
-    # stays within 1e-4. Open: see bench/README.md, "Known gaps".
-    check_async_equals_sync(tiny_dirs["llama"], "cuda", vocab=1000, tol=1e-4 if graphs else 5e-3,
-                            block_size=16, enable_cuda_graph=graphs)
+    check_async_equals_sync(tiny_dirs["llama"], "cuda", vocab=1000, tol=1e-4, block_size=16,
+                            dtype="float32", enable_cuda_graph=graphs)

@@ -61,3 +61,10 @@ def test_varlen_attention_sliding_window():
     from kernel_cases import check_varlen
 
     check_varlen("cuda", torch.bfloat16, 32, 8, 128, [(0, 700), (1500, 40), (900, 1)], window=512)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 128256), (3, 49152), (64, 128256), (5, 1000)])
+def test_argmax_matches_torch(rows, vocab):
+    from kernel_cases import check_argmax
+
+    check_argmax("cuda", rows, vocab)

@@ -57,3 +57,10 @@ def test_varlen_attention_sliding_window():
     from kernel_cases import check_varlen
 
     check_varlen("cpu", torch.float32, 8, 2, 32, [(0, 40), (50, 3)], window=24)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 5000), (3, 4097)])
+def test_argmax_matches_torch(rows, vocab):
+    from kernel_cases import check_argmax
+
+    check_argmax("cpu", rows, vocab)

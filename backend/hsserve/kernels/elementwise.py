@@ -103,27 +103,46 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 @triton.jit
+def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c,
+                  COUNT: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
+    """Heads h0..h0+COUNT-1 of token t rotated (float32 math, one rounding): two [PAD, HALF]
+    halves and their row mask."""
+    j = tl.arange(0, PAD)
+    i = tl.arange(0, HALF)
+    rows = (j < COUNT)[:, None]
+    src = QKV + t * stride_t + (h0 + j)[:, None] * stride_h + i[None, :]
+    x1 = tl.load(src, mask=rows, other=0.0)
+    x2 = tl.load(src + HALF, mask=rows, other=0.0)
+    c = tl.load(COS + t * stride_c + i)[None, :]
+    s = tl.load(SIN + t * stride_c + i)[None, :]
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    return (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype), rows, src
+
+
+@triton.jit
 def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, stride_t, stride_h, stride_c,
                          stride_half, stride_slot, stride_head,
-                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                         HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr):
+    # NOTE: one program per token, all its heads as one tile (a program per head left most
+    # threads idle: 4.5 us per layer at 64 tokens on the H200)
     t = tl.program_id(0)
-    h = tl.program_id(1)
     i = tl.arange(0, HALF)
-    base = QKV + t * stride_t + h * stride_h
-    r1, r2 = _rotate(base, COS, SIN, t, stride_c, HALF)
-    if h < NUM_HEADS:
-        tl.store(base + i, r1)
-        tl.store(base + HALF + i, r2)
-    else:
-        slot = tl.load(SLOTS + t).to(tl.int64)
-        if slot >= 0:
-            kvh = h - NUM_HEADS
-            dst = KV + slot * stride_slot + kvh * stride_head
-            tl.store(dst + i, r1)
-            tl.store(dst + HALF + i, r2)
-            v = QKV + t * stride_t + (h + NUM_KV_HEADS) * stride_h
-            tl.store(dst + stride_half + i, tl.load(v + i))
-            tl.store(dst + stride_half + HALF + i, tl.load(v + HALF + i))
+    q1, q2, rows, src = _rotate_heads(QKV, COS, SIN, t, 0, stride_t, stride_h, stride_c,
+                                      NUM_HEADS, HEADS_PAD, HALF)
+    tl.store(src, q1, mask=rows)
+    tl.store(src + HALF, q2, mask=rows)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot >= 0:
+        k1, k2, rows, src = _rotate_heads(QKV, COS, SIN, t, NUM_HEADS, stride_t, stride_h,
+                                          stride_c, NUM_KV_HEADS, KV_PAD, HALF)
+        j = tl.arange(0, KV_PAD)
+        dst = KV + slot * stride_slot + j[:, None] * stride_head + i[None, :]
+        tl.store(dst, k1, mask=rows)
+        tl.store(dst + HALF, k2, mask=rows)
+        v = src + NUM_KV_HEADS * stride_h
+        tl.store(dst + stride_half, tl.load(v, mask=rows), mask=rows)
+        tl.store(dst + stride_half + HALF, tl.load(v + HALF, mask=rows), mask=rows)
 
 
 def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
@@ -135,10 +154,12 @@ def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
     t, _, d = qkv.shape
     flat = kv.view(2, -1, num_kv_heads, d)
     if t:
-        _rotary_store_kernel[(t, num_heads + num_kv_heads)](
+        _rotary_store_kernel[(t,)](
             qkv, cos, sin, flat, slots, qkv.stride(0), qkv.stride(1), cos.stride(0),
             flat.stride(0), flat.stride(1), flat.stride(2),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=d // 2,
+            HEADS_PAD=triton.next_power_of_2(num_heads),
+            KV_PAD=triton.next_power_of_2(num_kv_heads),
         )
 
 

@@ -1,0 +1,59 @@
+"""Row-wise argmax of the logits (greedy sampling) in two passes.
+
+torch's argmax reduces a row of 128k logits in one thread block: 28 us for one row and 39 us for
+64 rows on the H200, 3% of a decode step. Here the vocabulary is split across programs: pass 1
+writes each slice's (max, first index of it), pass 2 picks the first slice holding the row's
+max, so ties resolve to the lowest index as torch's do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SLICE = 2048  # NOTE: vocabulary entries per program of pass 1
+
+
+@triton.jit
+def _slice_max_kernel(X, VALS, IDX, stride_x, n, num_slices, SLICE: tl.constexpr):
+    r = tl.program_id(0)
+    sl = tl.program_id(1)
+    cols = sl * SLICE + tl.arange(0, SLICE)
+    x = tl.load(X + r * stride_x + cols, mask=cols < n, other=float("-inf"))
+    best = tl.max(x, 0)
+    # NOTE: the first column holding the slice's max (lowest index on ties)
+    first = tl.min(tl.where(x == best, cols, n), 0)
+    tl.store(VALS + r * num_slices + sl, best)
+    tl.store(IDX + r * num_slices + sl, first)
+
+
+@triton.jit
+def _pick_kernel(VALS, IDX, OUT, num_slices, PAD: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.arange(0, PAD)
+    v = tl.load(VALS + r * num_slices + s, mask=s < num_slices, other=float("-inf"))
+    best = tl.max(v, 0)
+    k = tl.min(tl.where(v == best, s, PAD), 0)  # NOTE: the first slice holding the max
+    tl.store(OUT + r, tl.load(IDX + r * num_slices + k))
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] float32 -> the first index of each row's max [rows] int64 (the
+    kernels on CUDA, torch's argmax, their reference, elsewhere)."""
+    if logits.device.type != "cuda" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1)
+    return argmax_triton(logits)
+
+
+def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
+    rows, n = logits.shape
+    num_slices = triton.cdiv(n, _SLICE)
+    vals = torch.empty(rows, num_slices, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(rows, num_slices, dtype=torch.int64, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _slice_max_kernel[(rows, num_slices)](logits, vals, idx, logits.stride(0), n, num_slices,
+                                              SLICE=_SLICE)
+        _pick_kernel[(rows,)](vals, idx, out, num_slices, PAD=triton.next_power_of_2(num_slices))
+    return out
