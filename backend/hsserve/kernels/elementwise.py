@@ -134,15 +134,16 @@ def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, stride_t, stride_h, stride_c,
     tl.store(src + HALF, q2, mask=rows)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:
-        k1, k2, rows, src = _rotate_heads(QKV, COS, SIN, t, NUM_HEADS, stride_t, stride_h,
-                                          stride_c, NUM_KV_HEADS, KV_PAD, HALF)
+        # NOTE: new names: a variable assigned in a branch keeps its type (shape) in Triton
+        k1, k2, kv_rows, k_src = _rotate_heads(QKV, COS, SIN, t, NUM_HEADS, stride_t, stride_h,
+                                               stride_c, NUM_KV_HEADS, KV_PAD, HALF)
         j = tl.arange(0, KV_PAD)
         dst = KV + slot * stride_slot + j[:, None] * stride_head + i[None, :]
-        tl.store(dst, k1, mask=rows)
-        tl.store(dst + HALF, k2, mask=rows)
-        v = src + NUM_KV_HEADS * stride_h
-        tl.store(dst + stride_half, tl.load(v, mask=rows), mask=rows)
-        tl.store(dst + stride_half + HALF, tl.load(v + HALF, mask=rows), mask=rows)
+        tl.store(dst, k1, mask=kv_rows)
+        tl.store(dst + HALF, k2, mask=kv_rows)
+        v = k_src + NUM_KV_HEADS * stride_h
+        tl.store(dst + stride_half, tl.load(v, mask=kv_rows), mask=kv_rows)
+        tl.store(dst + stride_half + HALF, tl.load(v + HALF, mask=kv_rows), mask=kv_rows)
 
 
 def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
