@@ -367,12 +367,12 @@ class Engine:
             decided = seq.finish_reason is not None
             seq.num_computed = c.end
             self.scheduler.cache_computed(seq)
-            rows = out.rows[i]
-            if rows is not None:
+            first, count = out.slices[i]
+            if count:
                 if seq.hidden_mode == HiddenStatesMode.FULL:
-                    seq.pending_rows.append(rows.tensor())
+                    seq.pending_rows.append(out.captured.take(first, count, seq.hidden_layers))
                 else:
-                    seq.last_row = rows
+                    seq.last_row = (out.captured, first)
             token = None if decided else out.tokens[i]
             if token is not None:
                 self._append_token(seq, token)
@@ -422,7 +422,8 @@ class Engine:
             seq.num_rows_sent += len(hidden)
             seq.pending_rows = []
         elif final and seq.hidden_mode == HiddenStatesMode.LAST and seq.last_row is not None:
-            hidden = seq.last_row.tensor()
+            captured, first = seq.last_row
+            hidden = captured.take(first, 1, seq.hidden_layers)
         seq.num_tokens_sent = ready
         delta = Delta(
             request_id=seq.request_id,

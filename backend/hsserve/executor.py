@@ -38,31 +38,30 @@ def flagged(event: threading.Event):
         event.clear()
 
 
-@dataclass(slots=True)
-class Rows:
-    """One chunk's hidden rows in its step's captured block [rows, len(layers), hidden] (host, the
-    model's dtype), cut out (as float32) only when asked: a step queued ahead takes every MODE=last row, and only the
-    sequence's final one is ever used."""
+class CapturedRows:
+    """One step's hidden rows on the host [rows, len(layers), hidden] (the model's dtype); a
+    chunk's rows are cut out (as float32) only when used: a step queued ahead takes every
+    MODE=last row, and only each sequence's final one is ever published."""
 
-    captured: torch.Tensor
-    first: int
-    count: int
-    layers: list[int]  # captured's layers, in column order
-    wanted: tuple[int, ...]  # the sequence's layers, in its order
+    def __init__(self, block: torch.Tensor, layers: list[int]):
+        self.block = block
+        self.layers = layers  # in column order
+        self._column = {k: i for i, k in enumerate(layers)}
 
-    def tensor(self) -> torch.Tensor:
-        """[count, len(wanted) * hidden]"""
-        block = self.captured[self.first : self.first + self.count]
-        if list(self.wanted) != self.layers:
-            column = {k: i for i, k in enumerate(self.layers)}
-            block = block[:, [column[k] for k in self.wanted]]
-        return block.reshape(self.count, -1).float()
+    def take(self, first: int, count: int, wanted: tuple[int, ...]) -> torch.Tensor:
+        """Rows first..first+count-1 of the layers `wanted` (in that order) ->
+        [count, len(wanted) * hidden] float32."""
+        rows = self.block[first : first + count]
+        if list(wanted) != self.layers:
+            rows = rows[:, [self._column[k] for k in wanted]]
+        return rows.reshape(count, -1).float()
 
 
 @dataclass
 class StepOutput:
     tokens: list[int | None]  # per chunk: the sampled token, None where none was sampled
-    rows: list[Rows | None]  # per chunk: its hidden rows, None when none left the device
+    captured: CapturedRows | None  # the step's hidden rows
+    slices: list[tuple[int, int]]  # per chunk: (first, count) of its rows in captured
     row_starts: list[int]  # per chunk: token position of its first returned row
 
 
@@ -93,15 +92,6 @@ def rows_to_capture(chunk: Chunk) -> range:
         # read later): the row is taken, and kept only if it was
         return range(chunk.end - 1, chunk.end)
     return range(0)
-
-
-def split_rows(captured: torch.Tensor | None, layers: list[int], chunks: list[Chunk],
-               slices: list[tuple[int, int]]) -> list[Rows | None]:
-    """Per chunk its Rows, or None: chunk i owns captured[first : first + n]."""
-    if captured is None:
-        return [None] * len(chunks)
-    return [Rows(captured, first, n, layers, c.seq.hidden_layers) if n else None
-            for c, (first, n) in zip(chunks, slices)]
 
 
 def sources_of(chunks: list[Chunk], prev: Launched | None) -> list[int]:
@@ -236,8 +226,8 @@ class Executor:
                 step.done.synchronize()
         it = iter(step.tokens.tolist() if step.tokens is not None else ())
         tokens = [next(it) if f else None for f in step.sampled]
-        rows = split_rows(step.captured, step.layers, step.chunks, step.slices)
-        return StepOutput(tokens, rows, step.row_starts)
+        captured = CapturedRows(step.captured, step.layers) if step.captured is not None else None
+        return StepOutput(tokens, captured, step.slices, step.row_starts)
 
     def _forward_eager(self, chunks: list[Chunk], sources: list[int]):
         ids, positions, slot_mapping, row_sources = [], [], [], []
@@ -312,6 +302,9 @@ class Executor:
             if cols is not None:  # NOTE: only the layers asked for leave the GPU
                 captured = captured[:, cols]
                 layers = wanted_layers
-        position = {i: j for j, i in enumerate(keep)}
-        slices = [(position.get(i, 0), len(w)) for i, w in enumerate(wanted)]
+        if len(keep) == len(chunks):
+            slices = [(i, len(w)) for i, w in enumerate(wanted)]
+        else:
+            position = {i: j for j, i in enumerate(keep)}
+            slices = [(position.get(i, 0), len(w)) for i, w in enumerate(wanted)]
         return logits, captured, layers, slices, [w.start for w in wanted]

@@ -72,8 +72,8 @@ class Sequence:
         self.num_tokens_sent = 0  # generated tokens already published
         self.num_rows_sent = 0  # full mode: hidden rows already published (prompt rows first)
         self.pending_rows: list[torch.Tensor] = []  # full mode: computed, not yet published
-        # NOTE: last mode: the latest row (executor.Rows: a view into one step's rows, cut out
-        # when published), so O(hidden) per request
+        # NOTE: last mode: where the latest row is (executor.CapturedRows of its step, row
+        # index), cut out when published; O(hidden) per request
         self.last_row = None
         # NOTE: text length (in self.stop.text) after each generated token not yet published,
         # so a delta's text is the text of the delta's own tokens.

@@ -201,7 +201,8 @@ def test_gpu_no_kernel_is_compiled_while_serving(tiny_dirs):
             if i % 5 == 0:
                 ids = list(range(3, 3 + n))  # NOTE: prefix-cache hits of every length
             streams.append(engine.submit(GenerationRequest(
-                f"r{i}", prompt_ids=ids, sampling=SamplingParams(max_tokens=int(i % 9) + 1))))
+                f"r{i}", prompt_ids=ids,
+                sampling=SamplingParams(max_tokens=int(i % 9) + 8, ignore_eos=True))))
             if i % 3 == 0:
                 streams[-1].result(timeout=300)
         [s.result(timeout=300) for s in streams]
