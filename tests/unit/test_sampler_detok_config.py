@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hsserve.config import ConfigError, EngineConfig
-from hsserve.detokenizer import IncrementalDetokenizer, StopMatcher
+from hsserve.detokenizer import IncrementalDetokenizer, StopMatcher, text_decoder
 from hsserve.request import HiddenStatesMode, SamplingParams
 from hsserve.sampler import sample, uniform_noise
 
@@ -86,3 +86,18 @@ def test_config_from_parameters():
                       ({"hidden_states_ceiling": "most"}, "hidden_states_ceiling")]:
         with pytest.raises((ConfigError, ValueError), match=word):
             EngineConfig.from_parameters(bad)
+
+
+def test_text_decoder_equals_tokenizer_decode(smollm_dir):
+    """The fast path (the tokenizers backend's decode) gives exactly tokenizer.decode's text,
+    special tokens skipped, pieces of multi-byte characters included."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    decode = text_decoder(tok)
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, tok.vocab_size, (n,), generator=g).tolist() for n in (1, 2, 7, 40)]
+    samples += [[0, 1, 2] + tok.encode("héllo wörld 🙂 日本"), tok.encode("🙂")[:1]]
+    want = [tok.decode(ids, skip_special_tokens=True) for ids in samples]
+    tok.decode = None  # NOTE: the fast path must not go through transformers' wrapper
+    assert [decode(ids) for ids in samples] == want
