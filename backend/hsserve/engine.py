@@ -341,21 +341,24 @@ class Engine:
             return None  # NOTE: a prompt in progress, or a row-only step
         if sched.waiting and len(sched.running) < self.config.max_num_seqs:
             return None  # NOTE: prompts to admit
-        chunks, need = [], 0
+        chunks, grow = [], []
+        bs, max_len = self.pool.block_size, self.max_model_len
         for c in prev.chunks:
             seq = c.seq
             if seq.status is not Status.RUNNING or seq.finish_reason is not None:
                 continue  # NOTE: cancelled since prev was launched
-            sp = seq.sampling
-            last = seq.num_generated + 1 >= sp.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+            n = len(seq.token_ids) + 1  # NOTE: with prev's sample, not read yet
+            last = n - seq.num_prompt_tokens >= seq.sampling.max_tokens or n >= max_len
             if last and not seq.wants_rows:
                 continue
-            chunks.append(Chunk(seq, c.end, 1, ahead=True, last_input=last))
-            need += self.pool.blocks_for(c.end + 1) - len(seq.block_table)
-        if not chunks or not self.pool.can_allocate(need):
+            pos = c.end  # NOTE: == n - 1, the position of prev's sample
+            chunks.append(Chunk(seq, pos, 1, ahead=True, last_input=last))
+            if len(seq.block_table) * bs <= pos:  # NOTE: prev's blocks hold positions < pos
+                grow.append(seq)
+        if not chunks or not self.pool.can_allocate(len(grow)):
             return None  # NOTE: the scheduler preempts when the pool runs dry
-        for c in chunks:
-            c.seq.block_table += self.pool.allocate(self.pool.blocks_for(c.end) - len(c.seq.block_table))
+        for seq in grow:
+            seq.block_table += self.pool.allocate(1)
         return chunks
 
     def _postprocess(self, chunks: list[Chunk], out: StepOutput) -> None:
@@ -386,9 +389,11 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
+        n = len(seq.token_ids)
+        generated = n - seq.num_prompt_tokens
         now = EngineStats.now()
         self.stats.generation_tokens += 1
-        (self.stats.ttft if seq.num_generated == 1 else self.stats.itl).append(now - seq.t_last)
+        (self.stats.ttft if generated == 1 else self.stats.itl).append(now - seq.t_last)
         seq.t_last = now
         sp = seq.sampling
         stopped = False
@@ -397,18 +402,18 @@ class Engine:
         seq.text_marks.append(len(seq.stop.text))
         if stopped or token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
             seq.finish_reason = FinishReason.STOP
-        elif seq.num_generated >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif generated >= sp.max_tokens or n >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
 
     def _publish(self, seq: Sequence, final: bool) -> None:
         """Send what is ready: tokens (with their rows in full mode) and their text."""
-        ready = seq.num_generated
+        p = seq.num_prompt_tokens  # NOTE: slices token_ids once (output_ids would copy them all)
+        generated = ready = len(seq.token_ids) - p
         if seq.hidden_mode == HiddenStatesMode.FULL and not final:
-            ready = min(ready, seq.num_rows_done - seq.num_prompt_tokens)
+            ready = min(ready, seq.num_rows_done - p)
         new = ready - seq.num_tokens_sent
         if new <= 0 and not final:
             return
-        p = seq.num_prompt_tokens  # NOTE: slices token_ids once (output_ids would copy them all)
         tokens = seq.token_ids[p + seq.num_tokens_sent : p + ready]
         if final and seq.detokenizer is not None and not seq.stop.hit:
             seq.stop.text += seq.detokenizer.flush()
@@ -431,8 +436,8 @@ class Engine:
             text=text,
             hidden=hidden,
             finish_reason=seq.finish_reason if final else None,
-            num_input_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_generated,
+            num_input_tokens=p,
+            num_output_tokens=generated,
             sequence_index=seq.index,
             request_done=final and seq.group.done,
         )

@@ -197,12 +197,12 @@ class Executor:
         """Queue one step and the copies of its results; chunks queued ahead take their input
         tokens from prev's samples on the device. Never waits for the device on the graph path."""
         sources = sources_of(chunks, prev)
+        sampled = [c.samples for c in chunks]
         g = self.graphs
         if g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks):
-            logits, captured, layers, slices, starts = self._forward_graph(chunks, sources)
+            logits, captured, layers, slices, starts = self._forward_graph(chunks, sources, sampled)
         else:
-            logits, captured, layers, slices, starts = self._forward_eager(chunks, sources)
-        sampled = [c.samples for c in chunks]
+            logits, captured, layers, slices, starts = self._forward_eager(chunks, sources, sampled)
         tokens = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
@@ -229,18 +229,18 @@ class Executor:
         captured = CapturedRows(step.captured, step.layers) if step.captured is not None else None
         return StepOutput(tokens, captured, step.slices, step.row_starts)
 
-    def _forward_eager(self, chunks: list[Chunk], sources: list[int]):
+    def _forward_eager(self, chunks: list[Chunk], sources: list[int], sampled: list[bool]):
         ids, positions, slot_mapping, row_sources = [], [], [], []
         logit_rows, capture_rows, row_starts, capture_slices = [], [], [], []
         layers: list[int] = []
         row = 0
-        for c, src in zip(chunks, sources):
+        for c, src, samples in zip(chunks, sources, sampled):
             seq = c.seq
             ids += [0] if c.ahead else seq.token_ids[c.start : c.end]
             row_sources += [src] * c.num_tokens
             positions += range(c.start, c.end)
             slot_mapping += self._slots(seq.block_table, c.start, c.end)
-            if c.samples:
+            if samples:
                 logit_rows.append(row + c.num_tokens - 1)
             wanted = rows_to_capture(c)
             capture_slices.append((len(capture_rows), len(wanted)))
@@ -269,11 +269,11 @@ class Executor:
         captured = capture.out if capture is not None else None
         return logits, captured, layers, capture_slices, row_starts
 
-    def _forward_graph(self, chunks: list[Chunk], sources: list[int]):
+    def _forward_graph(self, chunks: list[Chunk], sources: list[int], sampled: list[bool]):
         """A decode-only step through the captured graphs."""
         g, dev = self.graphs, self.device
         wanted = [rows_to_capture(c) for c in chunks]
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        sampling = [i for i, f in enumerate(sampled) if f]
         pick = upload(sampling, dev) if 0 < len(sampling) < len(chunks) else None
         keep = [i for i, w in enumerate(wanted) if len(w)]  # NOTE: only these rows leave the GPU
         keep_index = upload(keep, dev) if 0 < len(keep) < len(chunks) else None

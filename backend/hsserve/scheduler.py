@@ -16,7 +16,7 @@ from hsserve.request import HiddenStatesMode
 from hsserve.sequence import Sequence, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """Compute K/V (and rows) for seq.token_ids[start:start + num_tokens] this step."""
 
