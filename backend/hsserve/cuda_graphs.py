@@ -73,7 +73,7 @@ class DecodeGraphs:
         self.buf = torch.zeros(6, b, dtype=torch.long, device=dev)
         self.sampled, self.meta = self.buf[0], self.buf[1:]
         self.meta[3].fill_(-1)
-        self.ids, self.sources, self.positions, self.slots, self.lens = self.meta.unbind(0)
+        _, self.sources, self.positions, self.slots, self.lens = self.meta.unbind(0)  # 0: ids
         self.tables = torch.zeros(b, max_pages, dtype=torch.int32, device=dev)
         # NOTE: two host slots, used in turn: a step's copies out of its slot may still be queued
         # when the next step is prepared (steps overlap), never when the one after is

@@ -13,7 +13,12 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     transformers' Python wrapper around it cost ~25 us per call here, twice per generated token,
     which at 64 sequences is a GPU step's worth of host time."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
+    mro = type(tokenizer).__mro__
+    owner = next((k for k in mro if "backend_tokenizer" in vars(k)), None)
+    # NOTE: a subclass that overrides decode or _decode is asked itself
+    plain = owner is not None and not any(
+        "decode" in vars(k) or "_decode" in vars(k) for k in mro[: mro.index(owner)])
+    if backend is not None and plain:
         cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
         bpe_skips = type(backend.model).__name__ == "BPE" and not getattr(
             tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)

@@ -215,7 +215,7 @@ class Engine:
                     except Exception as e:  # NOTE: fail what is in flight, keep serving
                         log.exception("engine step failed")
                         self.error = e
-                        self._inflight = None
+                        self._abandon_inflight()
                         self._fail_all(f"engine step failed: {e!r}")
                     if 0 < self._crash_after_steps <= self.num_steps:  # NOTE: test-only hook
                         raise RuntimeError(f"{TEST_CRASH_ENV}={self._crash_after_steps}: crash")
@@ -232,6 +232,16 @@ class Engine:
                 self._drain_unprocessed()
             self._fail_all("the engine shut down" if clean else f"the engine stopped: {self.error!r}")
             self._release()
+
+    def _abandon_inflight(self) -> None:
+        """After a failed step: drop the launched step unread, once the device has run it (the
+        graphs' host input slots are reused two steps later on the assumption that it did)."""
+        self._inflight = None
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:
+                log.exception("device error after a failed step")
 
     def _drain_unprocessed(self) -> None:
         """Requests still in the inbox are registered so that _fail_all ends them too."""
@@ -346,7 +356,7 @@ class Engine:
         for c in prev.chunks:
             seq = c.seq
             if seq.status is not Status.RUNNING or seq.finish_reason is not None:
-                continue  # NOTE: cancelled since prev was launched
+                continue  # NOTE: cancelled, or its end decided (only a row-only step is left)
             n = len(seq.token_ids) + 1  # NOTE: with prev's sample, not read yet
             last = n - seq.num_prompt_tokens >= seq.sampling.max_tokens or n >= max_len
             if last and not seq.wants_rows:

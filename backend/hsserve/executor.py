@@ -1,7 +1,8 @@
 """Executor: runs one scheduled batch on the device (mechanism only; policy is the scheduler's).
 
 Builds the flat token batch and its AttentionBatch, runs the decoder with hidden-state capture
-for the rows that leave the device, computes logits only where a token is sampled, samples.
+for the rows that leave the device, computes logits where a token is sampled (a decode graph
+computes them for every row), samples.
 `launch` queues all of that and the copies of its results to the host without waiting for the
 device; `complete` waits for them. Between the two the engine may queue the next step, whose
 input tokens are this step's samples, still on the device (Chunk.ahead).
@@ -62,7 +63,6 @@ class StepOutput:
     tokens: list[int | None]  # per chunk: the sampled token, None where none was sampled
     captured: CapturedRows | None  # the step's hidden rows
     slices: list[tuple[int, int]]  # per chunk: (first, count) of its rows in captured
-    row_starts: list[int]  # per chunk: token position of its first returned row
 
 
 @dataclass
@@ -75,7 +75,6 @@ class Launched:
     captured: torch.Tensor | None  # host copy [rows, len(layers), hidden], the model's dtype
     layers: list[int]  # captured's layers, in column order
     slices: list[tuple[int, int]]  # per chunk: (first, count) of its rows in captured
-    row_starts: list[int]
     done: torch.cuda.Event | None  # recorded after the copies (CUDA)
 
 
@@ -188,11 +187,6 @@ class Executor:
         return batch
 
     @torch.inference_mode()
-    def execute(self, chunks: list[Chunk]) -> StepOutput:
-        """Run one step and read its results."""
-        return self.complete(self.launch(chunks))
-
-    @torch.inference_mode()
     def launch(self, chunks: list[Chunk], prev: Launched | None = None) -> Launched:
         """Queue one step and the copies of its results; chunks queued ahead take their input
         tokens from prev's samples on the device. Never waits for the device on the graph path."""
@@ -200,9 +194,9 @@ class Executor:
         sampled = [c.samples for c in chunks]
         g = self.graphs
         if g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks):
-            logits, captured, layers, slices, starts = self._forward_graph(chunks, sources, sampled)
+            logits, captured, layers, slices = self._forward_graph(chunks, sources, sampled)
         else:
-            logits, captured, layers, slices, starts = self._forward_eager(chunks, sources, sampled)
+            logits, captured, layers, slices = self._forward_eager(chunks, sources, sampled)
         tokens = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
@@ -217,7 +211,7 @@ class Executor:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Launched(chunks, sampled, tokens, captured, layers, slices, starts, done)
+        return Launched(chunks, sampled, tokens, captured, layers, slices, done)
 
     def complete(self, step: Launched) -> StepOutput:
         """Wait for a launched step and hand out its tokens and rows."""
@@ -227,11 +221,11 @@ class Executor:
         it = iter(step.tokens.tolist() if step.tokens is not None else ())
         tokens = [next(it) if f else None for f in step.sampled]
         captured = CapturedRows(step.captured, step.layers) if step.captured is not None else None
-        return StepOutput(tokens, captured, step.slices, step.row_starts)
+        return StepOutput(tokens, captured, step.slices)
 
     def _forward_eager(self, chunks: list[Chunk], sources: list[int], sampled: list[bool]):
         ids, positions, slot_mapping, row_sources = [], [], [], []
-        logit_rows, capture_rows, row_starts, capture_slices = [], [], [], []
+        logit_rows, capture_rows, capture_slices = [], [], []
         layers: list[int] = []
         row = 0
         for c, src, samples in zip(chunks, sources, sampled):
@@ -244,7 +238,6 @@ class Executor:
                 logit_rows.append(row + c.num_tokens - 1)
             wanted = rows_to_capture(c)
             capture_slices.append((len(capture_rows), len(wanted)))
-            row_starts.append(wanted.start)
             capture_rows += [row + p - c.start for p in wanted]
             if len(wanted):
                 layers += [k for k in seq.hidden_layers if k not in layers]
@@ -267,7 +260,7 @@ class Executor:
         hidden = self.model(ids_t, torch.tensor(positions, device=dev), batch, self.kv_cache, capture)
         logits = self.model.logits(hidden[logit_index]) if logit_index is not None else None
         captured = capture.out if capture is not None else None
-        return logits, captured, layers, capture_slices, row_starts
+        return logits, captured, layers, capture_slices
 
     def _forward_graph(self, chunks: list[Chunk], sources: list[int], sampled: list[bool]):
         """A decode-only step through the captured graphs."""
@@ -280,7 +273,7 @@ class Executor:
         # NOTE: the layers asked for, in the graph's (ascending) column order
         wanted_layers = sorted(set().union(*{chunks[i].seq.hidden_layers for i in keep}))
         cols = None
-        if len(wanted_layers) < len(g.layers):
+        if keep and len(wanted_layers) < len(g.layers):
             column = {k: j for j, k in enumerate(g.layers)}
             cols = upload([column[k] for k in wanted_layers], dev)
         logits, rows = g.run(
@@ -307,4 +300,4 @@ class Executor:
         else:
             position = {i: j for j, i in enumerate(keep)}
             slices = [(position.get(i, 0), len(w)) for i, w in enumerate(wanted)]
-        return logits, captured, layers, slices, [w.start for w in wanted]
+        return logits, captured, layers, slices

@@ -18,7 +18,8 @@ from hsserve.sequence import Sequence, Status
 
 @dataclass(slots=True)
 class Chunk:
-    """Compute K/V (and rows) for seq.token_ids[start:start + num_tokens] this step."""
+    """Compute K/V (and rows) for the tokens at positions start..start + num_tokens - 1 this step
+    (seq.token_ids[start:end]; for a chunk queued ahead, the one token is still on the device)."""
 
     seq: Sequence
     start: int

@@ -101,3 +101,11 @@ def test_text_decoder_equals_tokenizer_decode(smollm_dir):
     want = [tok.decode(ids, skip_special_tokens=True) for ids in samples]
     tok.decode = None  # NOTE: the fast path must not go through transformers' wrapper
     assert [decode(ids) for ids in samples] == want
+    del tok.decode
+
+    class Custom(type(tok)):
+        def decode(self, ids, **kw):
+            return "custom"
+
+    tok.__class__ = Custom
+    assert text_decoder(tok)([1, 2]) == "custom", "a tokenizer that overrides decode is asked"

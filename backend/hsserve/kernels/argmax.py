@@ -23,7 +23,9 @@ def _slice_max_kernel(X, VALS, IDX, stride_x, n, num_slices, SLICE: tl.constexpr
     x = tl.load(X + r * stride_x + cols, mask=cols < n, other=float("-inf"))
     best = tl.max(x, 0)
     # NOTE: the first column holding the slice's max (lowest index on ties)
-    first = tl.min(tl.where(x == best, cols, n), 0)
+    # NOTE: clamped: a NaN slice matches nothing (torch would return the NaN's index; here a
+    # valid token id at least, never one past the vocabulary)
+    first = tl.minimum(tl.min(tl.where(x == best, cols, n), 0), n - 1)
     tl.store(VALS + r * num_slices + sl, best)
     tl.store(IDX + r * num_slices + sl, first)
 
@@ -35,6 +37,7 @@ def _pick_kernel(VALS, IDX, OUT, num_slices, PAD: tl.constexpr):
     v = tl.load(VALS + r * num_slices + s, mask=s < num_slices, other=float("-inf"))
     best = tl.max(v, 0)
     k = tl.min(tl.where(v == best, s, PAD), 0)  # NOTE: the first slice holding the max
+    k = tl.minimum(k, num_slices - 1)  # NOTE: a NaN row matches nothing: stay in the row
     tl.store(OUT + r, tl.load(IDX + r * num_slices + k))
 
 

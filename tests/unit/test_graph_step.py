@@ -1,0 +1,95 @@
+"""The host side of a decode step through the graphs (Executor.launch/complete on the graph path),
+on the CPU with a stand-in for DecodeGraphs whose replay returns known logits and rows: which
+inputs a replay gets (host ids, or the previous step's samples for chunks queued ahead), which
+rows and layers leave the device, which tokens come back."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from hsserve.executor import Executor
+from hsserve.request import HiddenStatesMode, SamplingParams
+from hsserve.scheduler import Chunk
+from hsserve.sequence import Sequence
+
+VOCAB, HIDDEN, LAYERS = 11, 4, [0, 2, 3]  # NOTE: the graphs' captured layer set
+
+
+class FakeGraphs:
+    """Replays nothing: remembers its inputs, returns logits whose argmax is 3 + row and rows
+    whose value names (row, layer column)."""
+
+    max_batch = 8
+    layers = LAYERS
+
+    def __init__(self):
+        self.sampled = torch.zeros(self.max_batch, dtype=torch.long)
+        self.calls = []
+
+    def run(self, ids, sources, positions, slots, tables, lens, with_rows):
+        n = len(ids)
+        self.calls.append(dict(ids=ids, sources=sources, positions=positions, slots=slots,
+                               lens=lens, with_rows=with_rows))
+        logits = torch.zeros(n, VOCAB)
+        logits[torch.arange(n), 3 + torch.arange(n)] = 1.0
+        rows = torch.arange(n)[:, None, None] * 10 + torch.arange(len(LAYERS))[None, :, None]
+        rows = rows.expand(n, len(LAYERS), HIDDEN).float()
+        return logits, rows if with_rows else None
+
+
+def make_executor() -> Executor:
+    spec = SimpleNamespace(sliding_window=None, head_dim=16, num_heads=2, num_kv_heads=1)
+    model = SimpleNamespace(spec=spec, embed=SimpleNamespace(dtype=torch.float32))
+    ex = Executor(model, torch.zeros(1, 2, 4, 4, 1, 16), block_size=4, max_num_seqs=8)
+    ex.graphs = FakeGraphs()
+    return ex
+
+
+def seq(rid: str, prompt: list[int], mode=HiddenStatesMode.NONE, layers=(-1,), max_tokens=8):
+    s = Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), 0, mode,
+                 layers, None, None, 0)
+    s.block_table = [1, 2, 3]
+    return s
+
+
+def test_inputs_rows_and_tokens_of_a_step_and_the_step_queued_after_it():
+    ex = make_executor()
+    a = seq("a", [5, 6, 7])  # none
+    b = seq("b", [5, 6], HiddenStatesMode.FULL, (3, 0))  # full: rows every step, its layers
+    c = seq("c", [9, 9, 9, 9], HiddenStatesMode.LAST, (2,))  # last: a row only at its end
+    for s in (a, b, c):
+        s.num_computed = s.num_tokens - 1
+    first = [Chunk(s, s.num_computed, 1) for s in (a, b, c)]
+    step = ex.launch(first)
+    call = ex.graphs.calls[-1]
+    assert call["ids"] == [7, 6, 9] and call["sources"] == [-1, -1, -1]
+    assert call["positions"] == [2, 1, 3] and call["lens"] == [3, 2, 4]
+    assert call["slots"] == [1 * 4 + 2, 1 * 4 + 1, 1 * 4 + 3]
+    assert call["with_rows"], "b (full) takes its row"
+    out = ex.complete(step)
+    assert out.tokens == [3, 4, 5], "argmax of each row"
+    assert ex.sampled[:3].tolist() == [3, 4, 5], "the samples stay on the device for the next step"
+    assert [n for _, n in out.slices] == [0, 1, 0]
+    first_b, _ = out.slices[1]
+    assert out.captured.layers == [0, 3], "only b's layers left the device"
+    row = out.captured.take(first_b, 1, b.hidden_layers)
+    assert row.tolist() == [[12.0] * HIDDEN + [10.0] * HIDDEN], \
+        "b's row (replay row 1), columns in its own layer order (3, 0)"
+
+    # the step queued ahead, before `step` is read: c's input is its last by length (no sample)
+    c.sampling = SamplingParams(max_tokens=1, temperature=0.0)
+    ahead = [Chunk(a, 3, 1, ahead=True), Chunk(c, 4, 1, ahead=True, last_input=True)]
+    for s in (a, c):
+        s.num_computed += 1
+    step2 = ex.launch(ahead, prev=step)
+    call = ex.graphs.calls[-1]
+    assert call["ids"] == [0, 0] and call["sources"] == [0, 2], "prev's samples of a and c"
+    assert call["positions"] == [3, 4] and call["lens"] == [4, 5]
+    out2 = ex.complete(step2)
+    assert out2.tokens == [3, None], "c samples nothing"
+    assert [n for _, n in out2.slices] == [0, 1], "c (last, queued ahead) takes its row"
+    assert out2.captured.layers == [2], "only the layers asked for leave the device"
+    f, _ = out2.slices[1]
+    assert out2.captured.take(f, 1, (2,)).tolist() == [[10.0 + 1] * HIDDEN]
