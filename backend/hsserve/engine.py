@@ -215,7 +215,7 @@ class Engine:
                     except Exception as e:  # NOTE: fail what is in flight, keep serving
                         log.exception("engine step failed")
                         self.error = e
-                        self._abandon_inflight()
+                        self._abandon_inflight("after a failed step")
                         self._fail_all(f"engine step failed: {e!r}")
                     if 0 < self._crash_after_steps <= self.num_steps:  # NOTE: test-only hook
                         raise RuntimeError(f"{TEST_CRASH_ENV}={self._crash_after_steps}: crash")
@@ -233,15 +233,15 @@ class Engine:
             self._fail_all("the engine shut down" if clean else f"the engine stopped: {self.error!r}")
             self._release()
 
-    def _abandon_inflight(self) -> None:
-        """After a failed step: drop the launched step unread, once the device has run it (the
-        graphs' host input slots are reused two steps later on the assumption that it did)."""
+    def _abandon_inflight(self, why: str) -> None:
+        """Drop the launched step unread, once the device has run it (the graphs' host input
+        slots are reused two steps later on the assumption that it did; memory is freed next)."""
         self._inflight = None
         if self.device.type == "cuda":
             try:
                 torch.cuda.synchronize(self.device)
             except RuntimeError:
-                log.exception("device error after a failed step")
+                log.exception("device error %s", why)
 
     def _drain_unprocessed(self) -> None:
         """Requests still in the inbox are registered so that _fail_all ends them too."""
@@ -256,12 +256,7 @@ class Engine:
     def _release(self) -> None:
         """Drop the weights and the KV cache so their memory returns (the pool's ids stay)."""
         cuda = self.device.type == "cuda"
-        self._inflight = None
-        if cuda:
-            try:
-                torch.cuda.synchronize(self.device)  # NOTE: a launched step may still be running
-            except RuntimeError:
-                log.exception("device error while stopping")
+        self._abandon_inflight("while stopping")
         self.model = self.executor = None
         if cuda:
             gc.collect()  # NOTE: CUDA graphs and their memory pool go only when collected
@@ -352,13 +347,13 @@ class Engine:
         if sched.waiting and len(sched.running) < self.config.max_num_seqs:
             return None  # NOTE: prompts to admit
         chunks, grow = [], []
-        bs, max_len = self.pool.block_size, self.max_model_len
+        bs = self.pool.block_size
         for c in prev.chunks:
             seq = c.seq
             if seq.status is not Status.RUNNING or seq.finish_reason is not None:
                 continue  # NOTE: cancelled, or its end decided (only a row-only step is left)
             n = len(seq.token_ids) + 1  # NOTE: with prev's sample, not read yet
-            last = n - seq.num_prompt_tokens >= seq.sampling.max_tokens or n >= max_len
+            last = self._ends_by_length(seq, n)
             if last and not seq.wants_rows:
                 continue
             pos = c.end  # NOTE: == n - 1, the position of prev's sample
@@ -412,8 +407,14 @@ class Engine:
         seq.text_marks.append(len(seq.stop.text))
         if stopped or token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
             seq.finish_reason = FinishReason.STOP
-        elif generated >= sp.max_tokens or n >= self.max_model_len:
+        elif self._ends_by_length(seq, n):
             seq.finish_reason = FinishReason.LENGTH
+
+    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """A sequence of num_tokens tokens (prompt included) has reached max_tokens or
+        max_model_len."""
+        return (num_tokens - seq.num_prompt_tokens >= seq.sampling.max_tokens
+                or num_tokens >= self.max_model_len)
 
     def _publish(self, seq: Sequence, final: bool) -> None:
         """Send what is ready: tokens (with their rows in full mode) and their text."""

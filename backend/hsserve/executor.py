@@ -72,8 +72,7 @@ class Launched:
     chunks: list[Chunk]
     sampled: list[bool]  # per chunk: a token was sampled (decided at launch)
     tokens: torch.Tensor | None  # host copy of the samples, one per sampling chunk
-    captured: torch.Tensor | None  # host copy [rows, len(layers), hidden], the model's dtype
-    layers: list[int]  # captured's layers, in column order
+    captured: CapturedRows | None  # host copy of the rows that leave the device
     slices: list[tuple[int, int]]  # per chunk: (first, count) of its rows in captured
     done: torch.cuda.Event | None  # recorded after the copies (CUDA)
 
@@ -206,12 +205,13 @@ class Executor:
             self.sampled[: len(sampling)].copy_(samples)
             tokens = download(samples)
         if captured is not None:
-            captured = download(captured)  # NOTE: in the model's dtype (half the bytes of float32)
+            # NOTE: in the model's dtype (half the bytes of float32)
+            captured = CapturedRows(download(captured), layers)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Launched(chunks, sampled, tokens, captured, layers, slices, done)
+        return Launched(chunks, sampled, tokens, captured, slices, done)
 
     def complete(self, step: Launched) -> StepOutput:
         """Wait for a launched step and hand out its tokens and rows."""
@@ -220,8 +220,7 @@ class Executor:
                 step.done.synchronize()
         it = iter(step.tokens.tolist() if step.tokens is not None else ())
         tokens = [next(it) if f else None for f in step.sampled]
-        captured = CapturedRows(step.captured, step.layers) if step.captured is not None else None
-        return StepOutput(tokens, captured, step.slices)
+        return StepOutput(tokens, step.captured, step.slices)
 
     def _forward_eager(self, chunks: list[Chunk], sources: list[int], sampled: list[bool]):
         ids, positions, slot_mapping, row_sources = [], [], [], []
@@ -295,9 +294,8 @@ class Executor:
             if cols is not None:  # NOTE: only the layers asked for leave the GPU
                 captured = captured[:, cols]
                 layers = wanted_layers
-        if len(keep) == len(chunks):
-            slices = [(i, len(w)) for i, w in enumerate(wanted)]
-        else:
-            position = {i: j for j, i in enumerate(keep)}
-            slices = [(position.get(i, 0), len(w)) for i, w in enumerate(wanted)]
+        slices, first = [], 0  # NOTE: kept rows are in chunk order, one per kept chunk
+        for w in wanted:
+            slices.append((first, len(w)))
+            first += len(w)
         return logits, captured, layers, slices
