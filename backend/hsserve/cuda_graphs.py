@@ -40,10 +40,10 @@ def fill_host_inputs(meta: np.ndarray, tables_out: np.ndarray, ids: list[int], s
     """Write one step's inputs into the host buffers (numpy views of the pinned tensors; numpy
     takes Python lists at half the cost of torch.tensor): meta rows ids, sources, positions,
     slots, lengths for n = len(ids) rows, padding rows n..size-1 (slot -1, length 0: they write
-    and read nothing), and each row's block table, zero-padded to the widest. A row's source is
-    where the graph reads its input token in the static buffer [samples; ids; ...] of width
-    meta.shape[1]: its entry of `ids` when `sources` gives -1, else that entry of the samples.
-    Returns the table width."""
+    and read nothing), and each row's block table, zero-padded to the widest, packed as
+    [n, width] at the start of the flat `tables_out`. A row's source is where the graph reads its
+    input token in the static buffer [samples; ids; ...] of width meta.shape[1]: its entry of
+    `ids` when `sources` gives -1, else that entry of the samples. Returns the table width."""
     n = len(ids)
     b = meta.shape[1]
     width = max(len(t) for t in tables)
@@ -52,7 +52,7 @@ def fill_host_inputs(meta: np.ndarray, tables_out: np.ndarray, ids: list[int], s
     meta[1, n:size] = 0
     meta[3, n:size] = -1
     meta[4, n:size] = 0
-    tables_out[:n, :width] = [t + [0] * (width - len(t)) for t in tables]
+    tables_out[: n * width].reshape(n, width)[:] = [t + [0] * (width - len(t)) for t in tables]
     return width
 
 
@@ -78,7 +78,8 @@ class DecodeGraphs:
         # NOTE: two host slots, used in turn: a step's copies out of its slot may still be queued
         # when the next step is prepared (steps overlap), never when the one after is
         self.host_meta = torch.zeros(2, 5, b, dtype=torch.long).pin_memory()
-        self.host_tables = torch.zeros(2, b, max_pages, dtype=torch.int32).pin_memory()
+        self.host_tables = torch.zeros(2, b * max_pages, dtype=torch.int32).pin_memory()
+        self.tables_stage = torch.zeros(b * max_pages, dtype=torch.int32, device=dev)
         self.host_meta_np, self.host_tables_np = self.host_meta.numpy(), self.host_tables.numpy()
         self._turn = 0
         self.rows_index = torch.arange(b, device=dev)
@@ -138,8 +139,13 @@ class DecodeGraphs:
         self._turn ^= 1
         width = fill_host_inputs(self.host_meta_np[t], self.host_tables_np[t], ids, sources,
                                  positions, slots, lens, tables, size)
-        self.meta[:, :size].copy_(self.host_meta[t, :, :size], non_blocking=True)
-        self.tables[:n, :width].copy_(self.host_tables[t, :n, :width], non_blocking=True)
+        # NOTE: host-to-device copies only between contiguous buffers (a strided one goes
+        # through a pageable temporary, and a pageable copy may wait for the device): meta
+        # whole, the tables packed [n, width], then spread on the device
+        self.meta.copy_(self.host_meta[t], non_blocking=True)
+        stage = self.tables_stage[: n * width]
+        stage.copy_(self.host_tables[t, : n * width], non_blocking=True)
+        self.tables[:n, :width].copy_(stage.view(n, width))
         self.graphs[(size, with_rows and self.rows is not None)].replay()
         rows = self.rows[:n] if with_rows and self.rows is not None else None
         return self.logits[:n], rows
