@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import write_result  # noqa: E402
+from common import time_graph, write_result  # noqa: E402
 from hsserve.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention  # noqa: E402
 
 
@@ -29,23 +29,6 @@ def make_inputs(batch, ctx, heads, kv_heads, head_dim, block_size, dtype, device
     q = torch.randn(batch, heads, head_dim, generator=g).to(device, dtype)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     return q, kv, tables.to(device, torch.int32), lens.to(device)
-
-
-def time_call(fn, repeats: int) -> float:
-    """us per call, by CUDA events over a CUDA graph of `repeats` calls (no launch overhead)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return 1000 * start.elapsed_time(end) / repeats
 
 
 def main() -> None:
@@ -67,9 +50,9 @@ def main() -> None:
     rows = []
     for splits in sorted(set(args.splits) | {picked}):
         out = torch.empty_like(q)
-        us = time_call(lambda s=splits: paged_decode_attention(q, kv, tables, lens, 0.125,
-                                                               num_splits=s, out=out),
-                       args.repeats)
+        us = time_graph(lambda _, s=splits: paged_decode_attention(q, kv, tables, lens, 0.125,
+                                                                  num_splits=s, out=out),
+                        args.repeats)
         row = {"splits": splits, "heuristic": splits == picked, "us": round(us, 2),
                "kv_tb_s": round(kv_bytes / us / 1e6, 3)}
         print(json.dumps(row), flush=True)

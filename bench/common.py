@@ -1,4 +1,4 @@
-"""Shared bench helpers: machine description, commit, json output."""
+"""Shared bench helpers: machine description, commit, json output, timing a CUDA graph."""
 
 from __future__ import annotations
 
@@ -53,3 +53,27 @@ def write_result(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
+
+
+def time_graph(fn, calls: int, replays: int = 5) -> float:
+    """us per call of fn(i) (CUDA work only): fn(0) .. fn(calls - 1) captured in one CUDA graph
+    (no launch overhead), replayed `replays` times between two events after a warm-up."""
+    import torch
+
+    fn(0)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1000 * start.elapsed_time(end) / (replays * calls)

@@ -13,10 +13,9 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import write_result  # noqa: E402
+from common import time_graph, write_result  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 
@@ -34,26 +33,8 @@ def time_linear(n: int, k: int, m: int, backend: str, budget: int = 1 << 30) -> 
     ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    for w in ws[:2]:
-        torch.matmul(x, w.t(), out=out)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for w in ws:
-            torch.matmul(x, w.t(), out=out)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    reps = 5
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    us = a.elapsed_time(b) * 1000 / reps / copies
-    del g, ws
+    us = time_graph(lambda i: torch.matmul(x, ws[i].t(), out=out), copies)
+    ws.clear()
     torch.cuda.empty_cache()
     return us
 

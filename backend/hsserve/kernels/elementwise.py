@@ -72,37 +72,6 @@ def add_rmsnorm_triton(x, residual, weight, eps):
 
 
 @triton.jit
-def _rotate(base, COS, SIN, t, stride_c, HALF: tl.constexpr):
-    """The two rotated halves of the head at `base` for token t (float32 math, one rounding)."""
-    i = tl.arange(0, HALF)
-    x1 = tl.load(base + i)
-    x2 = tl.load(base + HALF + i)
-    c = tl.load(COS + t * stride_c + i)
-    s = tl.load(SIN + t * stride_c + i)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    return (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
-
-
-@triton.jit
-def _rotary_kernel(X, COS, SIN, stride_t, stride_h, stride_c, HALF: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    i = tl.arange(0, HALF)
-    base = X + t * stride_t + h * stride_h
-    r1, r2 = _rotate(base, COS, SIN, t, stride_c, HALF)
-    tl.store(base + i, r1)
-    tl.store(base + HALF + i, r2)
-
-
-def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """x [tokens, heads, head_dim] (last dim contiguous) rotated in place (rotate-half layout);
-    cos/sin [tokens, head_dim // 2] float32."""
-    t, h, d = x.shape
-    if t:
-        _rotary_kernel[(t, h)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=d // 2)
-
-
-@triton.jit
 def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c,
                   COUNT: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
     """Heads h0..h0+COUNT-1 of token t rotated (float32 math, one rounding): two [PAD, HALF]
@@ -117,6 +86,25 @@ def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c,
     s = tl.load(SIN + t * stride_c + i)[None, :]
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     return (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype), rows, src
+
+
+@triton.jit
+def _rotary_kernel(X, COS, SIN, stride_t, stride_h, stride_c,
+                   HEADS: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    r1, r2, rows, src = _rotate_heads(X, COS, SIN, t, 0, stride_t, stride_h, stride_c,
+                                      HEADS, PAD, HALF)
+    tl.store(src, r1, mask=rows)
+    tl.store(src + HALF, r2, mask=rows)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [tokens, heads, head_dim] (last dim contiguous) rotated in place (rotate-half layout);
+    cos/sin [tokens, head_dim // 2] float32. One program per token."""
+    t, h, d = x.shape
+    if t:
+        _rotary_kernel[(t,)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
+                             HEADS=h, PAD=triton.next_power_of_2(h), HALF=d // 2)
 
 
 @triton.jit
