@@ -1,6 +1,8 @@
 """gRPC streaming through tritonserver vs the engine called directly, same machine, same run.
 
-For concurrency 1 and 16 (default): tokens/s, TTFT p50/p99 and inter-token latency p50/p99.
+For concurrency 1 and 16 (default): tokens/s, TTFT p50/p99 and inter-token latency p50/p99, for
+the engine in this process (a consumer thread per request, or sinks), the engine in a child process
+as the adapter runs it (engine_process.py, sinks), and gRPC streams through tritonserver.
 Each request: a ~30-token prompt, 64 new tokens (EOS ignored), greedy, MODE=none. The engine
 runs first in this process and is shut down; then the server starts on the repository.
 --shape (GPU): a benchmark shape with random bf16 weights (bench/shapes.py) served from a copy of
@@ -32,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "integ
 from common import write_result  # noqa: E402
 
 from hsserve import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from hsserve.engine_process import EngineProcess  # noqa: E402
 from hsserve.server import start_server  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "model_repository")
@@ -238,6 +241,16 @@ def main() -> None:
             print(f"direct (sinks) c={c}: {rows[c]['direct_sinks']}", flush=True)
     finally:
         engine.shutdown()
+    child = EngineProcess(config).start()  # NOTE: what the adapter runs, without Triton
+    try:
+        run_direct_sinks(child, 2, 2, 8, ids)  # warm-up
+        for c in args.concurrency:
+            n = max(args.requests if c > 1 else 4, c)
+            timing, wall = run_direct_sinks(child, c, n, args.new, ids)
+            rows[c]["child_sinks"] = timing.summary(wall)
+            print(f"engine process (sinks) c={c}: {rows[c]['child_sinks']}", flush=True)
+    finally:
+        child.shutdown()
     server = start_server(repo, log_path=os.path.join(os.path.dirname(args.out), "triton_bench_server.log"))
     try:
         server.wait_ready(timeout=600, models=("llm",))
@@ -264,7 +277,7 @@ def main() -> None:
     print("| concurrency | path | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
     print("|---:|---|---:|---:|---:|")
     for c, r in rows.items():
-        for path in ("direct", "direct_sinks", "grpc_stream"):
+        for path in ("direct", "direct_sinks", "child_sinks", "grpc_stream"):
             x = r[path]
             print(f"| {c} | {path} | {x['tok_s']} | {x['ttft_p50_ms']} / {x['ttft_p99_ms']} | "
                   f"{x['itl_p50_ms']} / {x['itl_p99_ms']} |")

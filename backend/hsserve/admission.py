@@ -7,11 +7,18 @@ the engine loop; every refusal is a RequestError naming the input and what is al
 from __future__ import annotations
 
 import random
+import threading
 
 from hsserve.config import EngineConfig
 from hsserve.detokenizer import IncrementalDetokenizer
 from hsserve.models.spec import ModelSpec
-from hsserve.request import FinishReason, GenerationRequest, HiddenStatesMode, RequestError
+from hsserve.request import (
+    EngineUnavailable,
+    FinishReason,
+    GenerationRequest,
+    HiddenStatesMode,
+    RequestError,
+)
 from hsserve.sampler import sample_seed
 from hsserve.sequence import SampleGroup, Sequence
 
@@ -49,8 +56,9 @@ class Admission:
             )
         return ids, "input_ids"
 
-    def make_sequences(self, request: GenerationRequest, sink) -> list[Sequence]:
-        """Validate `request` (RequestError names the input) and build its n Sequences."""
+    def check(self, request: GenerationRequest) -> tuple[list[int], HiddenStatesMode, tuple[int, ...]]:
+        """Validate `request` (RequestError names the input): its prompt ids, mode and layers
+        (normalized)."""
         ids, name = self.prompt_ids(request)
         sp = request.sampling
         if not ids:
@@ -78,6 +86,12 @@ class Admission:
             if not request.hidden_layers:
                 raise RequestError("hidden_layers", "empty; give at least one layer index")
             layers = tuple(self.normalize_layer(k) for k in request.hidden_layers)
+        return ids, mode, layers
+
+    def make_sequences(self, request: GenerationRequest, sink) -> list[Sequence]:
+        """Validate `request` (RequestError names the input) and build its n Sequences."""
+        ids, mode, layers = self.check(request)
+        sp = request.sampling
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
         group = SampleGroup(sp.n)
         for i in range(sp.n):
@@ -98,3 +112,35 @@ class Admission:
             raise RequestError("hidden_layers", f"layer {k} is not captured by this server; {allowed}")
         return k
 
+
+
+class RequestIds:
+    """The request ids in flight, at most max_num_seqs + max_queue_size. Callers hold `lock`
+    around claim/release and whatever must happen atomically with them."""
+
+    def __init__(self, config: EngineConfig):
+        self.lock = threading.Lock()
+        self._ids: set[str] = set()
+        self._config = config
+
+    def claim(self, request_id: str) -> None:
+        """Raises RequestError for an id already in flight, EngineUnavailable when full."""
+        if request_id in self._ids:
+            raise RequestError("request_id", f"{request_id!r} is already in flight")
+        limit = self._config.max_num_seqs + self._config.max_queue_size
+        if len(self._ids) >= limit:
+            raise EngineUnavailable(
+                f"the queue is full: {len(self._ids)} requests in flight (max_num_seqs "
+                f"{self._config.max_num_seqs} + max_queue_size {self._config.max_queue_size}); "
+                "retry later"
+            )
+        self._ids.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._ids.discard(request_id)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self):
+        return iter(list(self._ids))

@@ -43,6 +43,9 @@ class EngineConfig:
     # NOTE: queue decode step t+1 before reading step t, so the loop's Python (reading, stop
     # checks, publishing, scheduling) runs while the device computes. auto = on for CUDA.
     async_scheduling: str = "auto"
+    # NOTE: Triton: run the engine's loop in a child process (its own GIL); false: a thread of the
+    # Python stub, sharing the GIL with the response sender
+    engine_process: bool = True
     # NOTE: Triton: when the server stops, requests in flight may finish for this long, then the
     # rest end with UNAVAILABLE (keep it below tritonserver's --exit-timeout-secs)
     drain_timeout_s: float = 5.0

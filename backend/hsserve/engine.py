@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from hsserve.config import EngineConfig
-from hsserve.admission import Admission
+from hsserve.admission import Admission, RequestIds
 from hsserve.engine_setup import EngineParts, build_engine_parts
 from hsserve.executor import Launched, StepOutput, flagged
 from hsserve.request import (
@@ -35,12 +35,11 @@ from hsserve.request import (
     FinishReason,
     GenerationRequest,
     HiddenStatesMode,
-    RequestError,
 )
 from hsserve.request_stream import RequestStream
 from hsserve.scheduler import Chunk
 from hsserve.sequence import Sequence, Status
-from hsserve.stats import EngineStats
+from hsserve.stats import EngineSnapshot, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +57,7 @@ class Engine:
         self._build = build
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, list[Sequence]] = {}  # NOTE: loop thread only; request -> its n
-        self._ids_lock = threading.Lock()
-        self._active_ids: set[str] = set()
+        self._ids = RequestIds(config)
         self._arrivals = 0
         self.num_steps = 0
         self.stats = EngineStats()
@@ -111,19 +109,10 @@ class Engine:
             why = f": {self.error!r}" if self.error is not None and self._dead else ""
             raise EngineUnavailable(f"the engine is not serving{why}")
         seqs = self._admission.make_sequences(request, sink or RequestStream(request.request_id))
-        with self._ids_lock:
-            if request.request_id in self._active_ids:
-                raise RequestError("request_id", f"{request.request_id!r} is already in flight")
-            limit = self.config.max_num_seqs + self.config.max_queue_size
-            if len(self._active_ids) >= limit:
-                raise EngineUnavailable(
-                    f"the queue is full: {len(self._active_ids)} requests in flight (max_num_seqs "
-                    f"{self.config.max_num_seqs} + max_queue_size {self.config.max_queue_size}); "
-                    "retry later"
-                )
-            self._active_ids.add(request.request_id)
+        with self._ids.lock:
+            self._ids.claim(request.request_id)
             if self._dead or self._stopped:
-                self._active_ids.discard(request.request_id)
+                self._ids.release(request.request_id)
                 raise EngineUnavailable("the engine is not serving")
             now = EngineStats.now()
             for seq in seqs:
@@ -179,6 +168,19 @@ class Engine:
         graphs = self.executor.graphs if self.executor is not None else None
         return graphs.num_captures if graphs is not None else 0
 
+    def snapshot(self) -> EngineSnapshot:
+        """Gauges and running totals now, and the latencies observed since the last snapshot
+        (drained: one reader)."""
+        pool, st = self.pool, self.stats
+        return EngineSnapshot(
+            running=self.num_running, waiting=self.num_waiting, blocks_used=pool.num_used,
+            blocks_total=pool.num_blocks, blocks_cached=pool.num_cached,
+            prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
+            query_tokens=pool.num_query_tokens, hit_tokens=pool.num_hit_tokens,
+            graph_captures=self.num_graph_captures, ttft=EngineStats.drain(st.ttft),
+            itl=EngineStats.drain(st.itl), latency=EngineStats.drain(st.latency),
+        )
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -227,7 +229,7 @@ class Engine:
             self.error = e
         finally:
             self.device_wait.set()  # NOTE: the loop needs the GIL no more
-            with self._ids_lock:  # NOTE: submit() enqueues under this lock, so nothing is missed
+            with self._ids.lock:  # NOTE: submit() enqueues under this lock, so nothing is missed
                 self._dead = not clean
                 self._drain_unprocessed()
             self._fail_all("the engine shut down" if clean else f"the engine stopped: {self.error!r}")
@@ -468,8 +470,8 @@ class Engine:
         if seq.group.done:
             self.stats.latency.append(EngineStats.now() - seq.t_submit)
             self._seqs.pop(seq.request_id, None)
-            with self._ids_lock:
-                self._active_ids.discard(seq.request_id)
+            with self._ids.lock:
+                self._ids.release(seq.request_id)
         if publish_rest:
             self._publish(seq, final=True)
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 _MAX_PENDING = 100_000  # NOTE: observations kept if nobody drains them (bounded memory)
 
@@ -33,3 +34,23 @@ class EngineStats:
                 out.append(observations.popleft())
             except IndexError:
                 return out
+
+
+@dataclass
+class EngineSnapshot:
+    """What the metrics read from an engine at one refresh (picklable: an engine in a child
+    process sends it). The latency lists are the observations since the last snapshot."""
+
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    blocks_cached: int
+    prompt_tokens: int
+    generation_tokens: int
+    query_tokens: int
+    hit_tokens: int
+    graph_captures: int
+    ttft: list[float]
+    itl: list[float]
+    latency: list[float]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 
-from hsserve.stats import EngineStats
+from hsserve.stats import EngineSnapshot
 
 _GAUGES = {
     "running": ("llm_requests_running", "Sequences being computed by the engine"),
@@ -22,26 +22,22 @@ _GAUGES = {
     "blocks_total": ("llm_kv_blocks_total", "KV-cache blocks in the pool"),
     "blocks_cached": ("llm_kv_blocks_cached", "KV-cache blocks indexed by the prefix cache"),
 }
-_COUNTERS = {  # key -> (name, description, how to read the engine's running total)
-    "prompt_tokens": ("llm_prompt_tokens_total", "Prompt tokens of admitted requests",
-                      lambda e: e.stats.prompt_tokens),
-    "generation_tokens": ("llm_generation_tokens_total", "Tokens generated",
-                          lambda e: e.stats.generation_tokens),
-    "query_tokens": ("llm_prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache",
-                     lambda e: e.pool.num_query_tokens),
-    "hit_tokens": ("llm_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache",
-                   lambda e: e.pool.num_hit_tokens),
-    "graph_captures": ("llm_graph_captures_total", "CUDA graphs captured (all at start)",
-                       lambda e: e.num_graph_captures),
+_COUNTERS = {  # key -> (name, description); advanced by the engine's running total
+    "prompt_tokens": ("llm_prompt_tokens_total", "Prompt tokens of admitted requests"),
+    "generation_tokens": ("llm_generation_tokens_total", "Tokens generated"),
+    "query_tokens": ("llm_prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache"),
+    "hit_tokens": ("llm_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache"),
+    "graph_captures": ("llm_graph_captures_total", "CUDA graphs captured (all at start)"),
 }
-_HISTOGRAMS = {  # key -> (name, description, buckets in seconds, the engine's observations)
+_HISTOGRAMS = {  # key -> (name, description, buckets in seconds)
     "ttft": ("llm_time_to_first_token_seconds", "Submit to first generated token",
-             [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60], lambda e: e.stats.ttft),
+             [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]),
     "itl": ("llm_inter_token_latency_seconds", "Between consecutive tokens of a sequence",
-            [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5], lambda e: e.stats.itl),
+            [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]),
     "latency": ("llm_request_latency_seconds", "Submit to the request's last response",
-                [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300], lambda e: e.stats.latency),
+                [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]),
 }
+# NOTE: every key above is a field of EngineSnapshot
 
 
 class _Histogram:
@@ -78,24 +74,20 @@ class EngineMetrics:
         for key, (name, desc) in _GAUGES.items():
             self._families[key] = fam(name=name, description=desc, kind=fam.GAUGE)
             self._metrics[key] = self._families[key].Metric(labels=labels)
-        for key, (name, desc, _) in _COUNTERS.items():
+        for key, (name, desc) in _COUNTERS.items():
             self._families[key] = fam(name=name, description=desc, kind=fam.COUNTER)
             self._metrics[key] = self._families[key].Metric(labels=labels)
         self.histograms = {key: _Histogram(fam, name, desc, buckets, labels)
-                           for key, (name, desc, buckets, _) in _HISTOGRAMS.items()}
+                           for key, (name, desc, buckets) in _HISTOGRAMS.items()}
         self._counted = dict.fromkeys(_COUNTERS, 0)
 
-    def refresh(self, engine) -> None:
-        m, pool = self._metrics, engine.pool
-        m["running"].set(engine.num_running)
-        m["waiting"].set(engine.num_waiting)
-        m["blocks_used"].set(pool.num_used)
-        m["blocks_total"].set(pool.num_blocks)
-        m["blocks_cached"].set(pool.num_cached)
-        for key, (_, _, read) in _COUNTERS.items():
-            now = read(engine)
+    def refresh(self, snap: EngineSnapshot) -> None:
+        for key in _GAUGES:
+            self._metrics[key].set(getattr(snap, key))
+        for key in _COUNTERS:
+            now = getattr(snap, key)
             if now > self._counted[key]:
-                m[key].increment(now - self._counted[key])
+                self._metrics[key].increment(now - self._counted[key])
                 self._counted[key] = now
-        for key, (_, _, _, observations) in _HISTOGRAMS.items():
-            self.histograms[key].observe_all(EngineStats.drain(observations(engine)))
+        for key, histogram in self.histograms.items():
+            histogram.observe_all(getattr(snap, key))

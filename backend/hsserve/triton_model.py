@@ -1,7 +1,8 @@
 """TritonPythonModel for the decoupled `llm` model: Triton requests -> engine -> responses.
 
 Threads (STYLE 11): Triton's execute() validates, submits and returns at once; the engine's loop
-thread computes and puts deltas into the outbox; the sender thread drains the outbox, coalesces
+(in a child process, engine_process.py; or a thread here) computes, and its deltas reach the
+outbox (from the engine's receiver thread, or the loop thread itself); the sender thread drains the outbox, coalesces
 what piled up per request and calls send(); the watcher thread polls client cancellation at a
 bounded rate, turns it into engine aborts, and refreshes the metrics; when the engine's loop has
 died it asks Triton to unload this model (not ready; explicit model control only). finalize() stops
@@ -22,6 +23,7 @@ import torch
 
 from hsserve.config import DEFAULT_MODEL, EngineConfig
 from hsserve.engine import Engine
+from hsserve.engine_process import EngineProcess
 from hsserve.request import Delta, EngineUnavailable, FinishReason, RequestError
 from hsserve.triton_io import INPUTS, parse_request
 from hsserve.server_state import ServerWatch, http_live_url
@@ -107,13 +109,16 @@ class TritonPythonModel:
                 "numpy 2 (seen: the stub died on a MODE input; text_output arrived empty); "
                 "install numpy<2 (requirements/constraints.txt pins 1.26.4)"
             )
-        self.engine = Engine(config).start()  # NOTE: a load error is raised here, to Triton
+        # NOTE: a load error is raised here, to Triton
+        self.engine = (EngineProcess if config.engine_process else Engine)(config).start()
         self.default_max_tokens = config.default_max_tokens
         self.drain_timeout_s = config.drain_timeout_s
         self.stream_rate = config.stream_responses_per_s
-        # NOTE: on a GPU the sender builds and sends responses while the engine's loop waits for
-        # the device (it needs no GIL then); on the CPU the loop's torch compute releases the GIL
-        self._gate = self.engine.device_wait if self.engine.device.type == "cuda" else None
+        # NOTE: an engine loop in this process, on a GPU: the sender builds and sends responses
+        # while the loop waits for the device (it needs no GIL then); on the CPU the loop's torch
+        # compute releases the GIL; in a child process it has a GIL of its own
+        in_stub_gpu = not config.engine_process and self.engine.device.type == "cuda"
+        self._gate = self.engine.device_wait if in_stub_gpu else None
         self._server_watch = ServerWatch(http_live_url())
         self.model_name = args["model_name"]
         self._unload_asked = False  # NOTE: watcher thread only
@@ -293,7 +298,9 @@ class TritonPythonModel:
                 self._unload_asked = True
                 self._unload_dead_model()
             try:
-                self.metrics.refresh(self.engine)
+                snapshot = self.engine.snapshot()
+                if snapshot is not None:
+                    self.metrics.refresh(snapshot)
             except Exception as e:  # noqa: BLE001 - metrics must never stop cancellation
                 self.logger.log_warn(f"hsserve: metrics refresh failed: {e}")
             self._poll_cancellations()

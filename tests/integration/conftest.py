@@ -1,6 +1,6 @@
 """A real tritonserver on free ports, serving a copy of the repository's model_repository plus
-`llm_capped` (the same model with a lower hidden-state ceiling, a few captured layers and
-HIDDEN_STATES declared TYPE_BF16)."""
+`llm_capped` (the same model with a lower hidden-state ceiling, a few captured layers,
+HIDDEN_STATES declared TYPE_BF16, and its engine in the stub instead of a child process)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def make_repository(root: str, smollm_dir: str) -> str:
     set_parameter(cfg, "hidden_layers_captured", "0 15 -1")
     set_parameter(cfg, "max_num_seqs", "4")
     set_parameter(cfg, "max_queue_size", "4")  # NOTE: the overload test fills it
+    set_parameter(cfg, "engine_process", "false")  # NOTE: llm's engine runs in a child, this one in the stub
     with open(cfg) as f:  # NOTE: rows in bfloat16 (DLPack: numpy has no bfloat16)
         text = f.read().replace(
             'name: "HIDDEN_STATES", data_type: TYPE_FP32', 'name: "HIDDEN_STATES", data_type: TYPE_BF16'

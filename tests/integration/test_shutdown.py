@@ -12,7 +12,7 @@ import pytest
 
 from conftest import add_parameter, make_repository
 from hsserve.server import start_server
-from triton_helpers import GrpcStream, stub_processes
+from triton_helpers import GrpcStream, alive, stub_children, stub_processes
 
 EXIT_TIMEOUT_S = 10
 DRAIN_S = 2.0
@@ -29,6 +29,7 @@ def stopped_server(tmp_path_factory, smollm_dir):
     try:
         server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped"))
         had_stubs = bool(stub_processes(marker))
+        children = stub_children(marker)  # NOTE: the llm models' engine processes
         streams = []
         for i in range(3):
             s = GrpcStream(server.grpc_url)
@@ -57,7 +58,8 @@ def stopped_server(tmp_path_factory, smollm_dir):
         except subprocess.TimeoutExpired:
             exited_in_time = False
         server.stop(timeout=60)
-        yield dict(had_stubs=had_stubs, ended=ended, drained=drained, error_after=error_after,
+        yield dict(had_stubs=had_stubs, children=children, children_left=alive(children),
+                   ended=ended, drained=drained, error_after=error_after,
                    exited_in_time=exited_in_time, stubs_left=stub_processes(marker), server=server)
     finally:
         server.stop()
@@ -82,6 +84,8 @@ def test_streams_end_with_an_error_after_the_drain_period(stopped_server):
 def test_no_process_is_left(stopped_server):
     assert stopped_server["had_stubs"]
     assert not stopped_server["stubs_left"], stopped_server["stubs_left"]
+    assert stopped_server["children"], "llm's engine process"
+    assert not stopped_server["children_left"], stopped_server["children_left"]
     assert stopped_server["server"].process.poll() is not None
     assert not os.path.exists(stopped_server["server"].command.backend_dir or "/nonexistent")
 

@@ -165,3 +165,24 @@ def stub_processes(marker: str) -> list[str]:
     run from its own backend dir)."""
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=False)
     return [p for p in ps.stdout.splitlines() if "triton_python_backend_stub" in p and marker in p]
+
+
+def stub_children(marker: str) -> list[int]:
+    """Pids of processes the stubs of this server started (the engine processes, multiprocessing's
+    resource tracker)."""
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True, check=False)
+    rows = [line.split(None, 2) for line in ps.stdout.splitlines()[1:]]
+    stubs = {r[0] for r in rows if len(r) == 3 and "triton_python_backend_stub" in r[2] and marker in r[2]}
+    return [int(r[0]) for r in rows if len(r) == 3 and r[1] in stubs]
+
+
+def alive(pids: list[int]) -> list[int]:
+    left = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] != "Z":
+                    left.append(pid)
+        except OSError:
+            pass
+    return left

@@ -82,10 +82,13 @@ def test_config_from_parameters():
     assert cfg.enable_prefix_caching is False and cfg.kv_cache_memory_fraction == 0.5
     assert EngineConfig.from_parameters({"hidden_layers_captured": "all"}).hidden_layers_captured is None
     assert EngineConfig.from_parameters({"async_scheduling": "off"}).async_scheduling == "off"
+    assert EngineConfig.from_parameters({"engine_process": "false"}).engine_process is False
+    assert EngineConfig().engine_process is True
     for bad, word in [({"dtype": "int8"}, "dtype"), ({"max_num_seqs": "x"}, "max_num_seqs"),
                       ({"nope": "1"}, "unknown parameter"), ({"enable_cuda_graph": "maybe"}, "enable_cuda_graph"),
                       ({"hidden_states_ceiling": "most"}, "hidden_states_ceiling"),
-                      ({"async_scheduling": "yes"}, "async_scheduling")]:
+                      ({"async_scheduling": "yes"}, "async_scheduling"),
+                      ({"engine_process": "sometimes"}, "engine_process")]:
         with pytest.raises((ConfigError, ValueError), match=word):
             EngineConfig.from_parameters(bad)
 

@@ -1,0 +1,398 @@
+"""EngineProcess: the Engine in a child process, behind the Engine's client API.
+
+In tritonserver's Python stub the engine's loop thread shares one GIL with the response sender and
+the stub's own threads. Measured on the H200 (py-spy of the stub, 64 streams): the loop held the
+GIL 53% of the time and otherwise waited for it; a decode step took ~3.2 ms in the stub against
+1.4 ms for the engine alone. Here the loop runs in a process of its own (spawned: CUDA is
+initialised there only) and has its GIL to itself.
+
+Parent (the stub): admission (the same checks and errors as Engine.submit, raised at submit, no
+round trip), the request ids in flight, and a receiver thread that turns the child's batches into
+Deltas for each request's sink. Child: the Engine; its main thread applies the parent's commands; a
+shipper thread sends the engine's deltas in batches (what piles up while one batch is sent goes in
+the next).
+
+Two pipes carry standard pickles (hidden rows as raw bytes: no shared-memory tensors, no fds):
+  parent -> child  ("add", request) ("abort", id) ("fail_all", message) ("clear_cache", None)
+                   ("snapshot", None) ("stop", None)
+  child -> parent  ("ready", info) or ("failed", error), once; then ("deltas", [wire deltas]),
+                   ("snapshot", EngineSnapshot), ("died", message); ("stopped", None) last.
+If the child exits unannounced (killed, crashed), every request in flight ends with an error and
+`died` turns true, as when an in-process engine's loop dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+
+import torch
+
+from hsserve.admission import Admission, RequestIds
+from hsserve.config import EngineConfig
+from hsserve.engine import Engine, Sink
+from hsserve.request import Delta, EngineUnavailable, FinishReason, GenerationRequest
+from hsserve.request_stream import RequestStream
+from hsserve.stats import EngineSnapshot
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+_SNAPSHOT_TIMEOUT_S = 5.0
+
+
+# ---- deltas on the wire ------------------------------------------------------------------------
+
+
+def delta_to_wire(d: Delta) -> tuple:
+    """A Delta as a tuple of plain values (rows as (dtype, shape, bytes)): cheap to pickle."""
+    hidden = None
+    if d.hidden is not None:
+        h = d.hidden.contiguous()
+        hidden = (str(h.dtype).removeprefix("torch."), tuple(h.shape), h.view(-1).view(torch.uint8).numpy())
+    reason = d.finish_reason.value if d.finish_reason is not None else None
+    return (d.request_id, d.token_ids, d.text, hidden, reason, d.num_input_tokens,
+            d.num_output_tokens, d.error, d.sequence_index, d.request_done)
+
+
+def delta_from_wire(w: tuple) -> Delta:
+    rid, tokens, text, hidden, reason, n_in, n_out, error, index, done = w
+    if hidden is not None:
+        dtype, shape, raw = hidden
+        hidden = torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
+    return Delta(rid, tokens, text, hidden, FinishReason(reason) if reason is not None else None,
+                 n_in, n_out, error, index, done)
+
+
+def _python_executable() -> str:
+    """The interpreter for the child: the stub's sys.executable may be the stub binary itself."""
+    exe = sys.executable
+    if exe and os.path.basename(exe).startswith("python"):
+        return exe
+    for name in ("python3", "python"):
+        path = os.path.join(sys.exec_prefix, "bin", name)
+        if os.path.exists(path):
+            return path
+    raise RuntimeError(f"no Python interpreter for the engine process (sys.executable {exe!r}, "
+                       f"sys.exec_prefix {sys.exec_prefix!r}); set engine_process to false")
+
+
+# ---- parent side -------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.error: BaseException | None = None
+        self._ids = RequestIds(config)  # NOTE: its lock also guards _sinks
+        self._sinks: dict[str, Sink] = {}
+        self._send_lock = threading.Lock()
+        self._snapshots: queue.SimpleQueue = queue.SimpleQueue()
+        self._snapshot_lock = threading.Lock()
+        self._started = self._stopped = self._dead = False
+        self._proc = None
+        self._receiver: threading.Thread | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> EngineProcess:
+        """Spawn the child, wait until its engine has loaded; re-raises a load error here."""
+        if self._started:
+            return self
+        self._started = True
+        ctx = multiprocessing.get_context("spawn")
+        ctx.set_executable(_python_executable())
+        cmd_recv, self._cmd = ctx.Pipe(duplex=False)
+        self._evt, evt_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=child_main, args=(self.config, cmd_recv, evt_send),
+                                 name="hsserve-engine", daemon=True)
+        self._proc.start()
+        cmd_recv.close()  # NOTE: the child's ends; closed here so that a dead child reads as EOF
+        evt_send.close()
+        try:
+            while not self._evt.poll(1.0):
+                if not self._proc.is_alive():
+                    raise RuntimeError(
+                        f"the engine process exited with code {self._proc.exitcode} while loading")
+            kind, arg = pickle.loads(self._evt.recv_bytes())
+        except (EOFError, OSError):
+            self._proc.join(5)
+            kind, arg = "failed", RuntimeError(
+                f"the engine process exited with code {self._proc.exitcode} while loading")
+        except BaseException:
+            self._stopped = True
+            self._proc.kill()
+            raise
+        if kind == "failed":
+            self._stopped = True
+            self._proc.join(30)
+            self.error = arg
+            raise arg
+        self.spec, self.max_model_len = arg["spec"], arg["max_model_len"]
+        self.captured_layers, self.device = arg["captured_layers"], torch.device(arg["device"])
+        self.num_graph_captures = arg["graph_captures"]
+        self._admission = Admission(self.config, arg["spec"], arg["tokenizer"], arg["max_model_len"],
+                                    arg["max_prompt_tokens"], arg["captured_layers"])
+        self._receiver = threading.Thread(target=self._receive, name="hsserve-engine-events",
+                                          daemon=True)
+        self._receiver.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the child; requests still in flight end with an error delta."""
+        if self._stopped or not self._started:
+            self._stopped = True
+            return
+        self._stopped = True
+        try:
+            self._command("stop", None)
+        except OSError:
+            pass
+        if self._receiver is not None:
+            self._receiver.join(timeout)
+        self._proc.join(5)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop; killing it")
+            self._proc.kill()
+            self._proc.join(5)
+        self._fail_rest("the engine shut down")
+
+    @property
+    def healthy(self) -> bool:
+        return (self._started and not self._stopped and not self._dead
+                and self._proc is not None and self._proc.is_alive())
+
+    @property
+    def died(self) -> bool:
+        """The engine stopped without being asked to (its loop died, or its process exited)."""
+        return self._dead
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, sink: Sink | None = None) -> Sink:
+        """As Engine.submit: RequestError naming the bad input, EngineUnavailable when full or
+        not serving; the request's deltas go to `sink` from the receiver thread."""
+        if not self.healthy:
+            why = f": {self.error!r}" if self.error is not None and self._dead else ""
+            raise EngineUnavailable(f"the engine is not serving{why}")
+        ids, _, _ = self._admission.check(request)
+        sink = sink or RequestStream(request.request_id)
+        wire = dataclasses.replace(request, prompt=None, prompt_ids=ids)  # NOTE: tokenized once
+        rid = request.request_id
+        with self._ids.lock:
+            self._ids.claim(rid)
+            try:
+                if self._dead or self._stopped:
+                    raise EngineUnavailable("the engine is not serving")
+                self._command("add", wire)
+            except (OSError, EngineUnavailable) as e:
+                self._ids.release(rid)
+                if isinstance(e, EngineUnavailable):
+                    raise
+                raise EngineUnavailable(f"the engine process is gone: {e!r}") from None
+            self._sinks[rid] = sink
+        return sink
+
+    def abort(self, request_id: str) -> None:
+        self._command_quietly("abort", request_id)
+
+    def abort_all(self, message: str) -> None:
+        self._command_quietly("fail_all", message)
+
+    def clear_prefix_cache(self) -> None:
+        self._command_quietly("clear_cache", None)
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None):
+        return self.submit(request).result(timeout)
+
+    def snapshot(self) -> EngineSnapshot | None:
+        """The child engine's metrics now (None when it does not answer within 5 s)."""
+        if not self.healthy:
+            return None
+        with self._snapshot_lock:
+            self._command_quietly("snapshot", None)
+            try:
+                return self._snapshots.get(timeout=_SNAPSHOT_TIMEOUT_S)
+            except queue.Empty:
+                return None
+
+    def _command(self, kind: str, arg) -> None:
+        data = pickle.dumps((kind, arg), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._cmd.send_bytes(data)
+
+    def _command_quietly(self, kind: str, arg) -> None:
+        try:
+            self._command(kind, arg)
+        except OSError:
+            pass  # NOTE: the child is gone; the receiver ends what was in flight
+
+    # ---- receiver thread ------------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                kind, arg = pickle.loads(self._evt.recv_bytes())
+                if kind == "deltas":
+                    for wire in arg:
+                        self._deliver(delta_from_wire(wire))
+                elif kind == "snapshot":
+                    self._snapshots.put(arg)
+                elif kind == "died":
+                    self.error, self._dead = RuntimeError(arg), True
+                elif kind == "stopped":
+                    return
+        except (EOFError, OSError):
+            if not self._stopped:
+                self._proc.join(1)
+                self.error = RuntimeError(
+                    f"the engine process exited unexpectedly (code {self._proc.exitcode})")
+                self._dead = True
+                log.error("%s", self.error)
+        finally:
+            self._fail_rest(f"the engine stopped: {self.error!r}" if self._dead
+                            else "the engine shut down")
+
+    def _deliver(self, d: Delta) -> None:
+        with self._ids.lock:
+            sink = self._sinks.get(d.request_id)
+            if d.request_done:
+                self._sinks.pop(d.request_id, None)
+                self._ids.release(d.request_id)
+        if sink is None:
+            return
+        try:
+            sink(d)
+        except Exception:  # noqa: BLE001 - a broken sink must not stop the receiver
+            log.exception("sink of request %s failed", d.request_id)
+
+    def _fail_rest(self, message: str) -> None:
+        """End every request still in flight with one error delta."""
+        with self._ids.lock:
+            left = list(self._sinks.items())
+            self._sinks.clear()
+            for rid, _ in left:
+                self._ids.release(rid)
+        for rid, sink in left:
+            try:
+                sink(Delta(rid, [], "", finish_reason=FinishReason.ERROR, error=message,
+                           request_done=True))
+            except Exception:  # noqa: BLE001
+                log.exception("sink of request %s failed", rid)
+
+
+# ---- child side --------------------------------------------------------------------------------
+
+
+def child_main(config: EngineConfig, cmd, evt) -> None:
+    """The engine process: load, say ready, apply commands until told to stop (or the parent is
+    gone), then stop the engine and send what is left."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # NOTE: the parent decides when to stop
+    logging.basicConfig(level=logging.INFO, format="hsserve-engine %(levelname)s %(name)s: %(message)s")
+    send_lock = threading.Lock()
+
+    def send(kind: str, arg) -> None:
+        data = pickle.dumps((kind, arg), protocol=pickle.HIGHEST_PROTOCOL)
+        with send_lock:
+            evt.send_bytes(data)
+
+    engine = Engine(config)
+    try:
+        engine.start()
+    except BaseException as e:  # noqa: BLE001 - handed to the parent's start()
+        try:
+            send("failed", e)
+        except Exception:  # noqa: BLE001 - not picklable
+            send("failed", RuntimeError(repr(e)))
+        return
+    send("ready", {
+        "spec": engine.spec, "tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len,
+        "max_prompt_tokens": engine.max_prompt_tokens, "captured_layers": engine.captured_layers,
+        "device": str(engine.device), "graph_captures": engine.num_graph_captures,
+    })
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    shipper = threading.Thread(target=_ship, args=(outbox, send), name="hsserve-shipper", daemon=True)
+    shipper.start()
+    told_died = False
+    try:
+        while True:
+            if engine.died and not told_died:
+                told_died = True
+                outbox.put(("died", f"the engine stopped: {engine.error!r}"))  # NOTE: after its deltas
+            if not cmd.poll(0.5):
+                continue
+            kind, arg = pickle.loads(cmd.recv_bytes())
+            if kind == "stop":
+                break
+            _apply(engine, kind, arg, outbox, send)
+    except (EOFError, OSError):
+        log.warning("the parent process is gone; stopping the engine")
+    finally:
+        engine.shutdown()
+        outbox.put(_STOP)
+        shipper.join(30)
+        try:
+            send("stopped", None)
+        except OSError:
+            pass
+
+
+def _apply(engine: Engine, kind: str, arg, outbox: queue.SimpleQueue, send) -> None:
+    if kind == "add":
+        try:
+            engine.submit(arg, sink=outbox.put)
+        except Exception as e:  # noqa: BLE001 - the parent checked it; the engine may have died
+            outbox.put(Delta(arg.request_id, [], "", finish_reason=FinishReason.ERROR, error=str(e),
+                             request_done=True))
+    elif kind == "abort":
+        engine.abort(arg)
+    elif kind == "fail_all":
+        engine.abort_all(arg)
+    elif kind == "clear_cache":
+        engine.clear_prefix_cache()
+    elif kind == "snapshot":
+        send("snapshot", engine.snapshot())
+    else:
+        log.error("unknown command %r", kind)
+
+
+def _ship(outbox: queue.SimpleQueue, send) -> None:
+    """The engine's deltas to the parent: everything queued, as one message."""
+    try:
+        _ship_until_stop(outbox, send)
+    except OSError:
+        log.warning("the parent process is gone; deltas dropped")
+
+
+def _ship_until_stop(outbox: queue.SimpleQueue, send) -> None:
+    while True:
+        batch = [outbox.get()]
+        while True:
+            try:
+                batch.append(outbox.get_nowait())
+            except queue.Empty:
+                break
+        wires = []
+        for item in batch:
+            if isinstance(item, Delta):
+                wires.append(delta_to_wire(item))
+                continue
+            if wires:
+                send("deltas", wires)
+                wires = []
+            if item is _STOP:
+                return
+            send(*item)
+        if wires:
+            send("deltas", wires)
