@@ -2,7 +2,7 @@
 # Everything a GPU session measures, in one device call (carry [".whl/slim"], made by
 # bench/device_bundle.sh): the GPU tests, the tritonserver stream benchmark with the stub sampled
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
-#   bash bench/gpu_session.sh [tests|triton|decode|decode_sync|attn ...]   (default: the first three)
+#   bash bench/gpu_session.sh [tests|triton|decode|decode_sync|attn|l2 ...]   (default: the first three)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -18,12 +18,13 @@ for part in $parts; do
     tests) timeout 300 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 \
              | grep -v "^[IW]1\|^|\|^+" | tail -15 ;;
     triton) (bash bench/spy_stub.sh 4 > "$OUT/spy.out" 2>&1 &)
-            timeout 200 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 \
+            timeout 280 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 \
               --requests 768 --new 256 --client-procs 8 --out "$OUT/h200_triton.json" 2>&1 | grep -v "^|" | tail -4
             pkill -9 triton_python_b ;;
     decode) timeout 240 python3 bench/gpu_decode.py --shapes llama-1b llama-8b --batches-1b 1 64 \
               --batches-8b 1 --repeats 4 --no-hf --out "$OUT/h200_decode.json" 2>&1 | grep "^{" ;;
     attn) timeout 100 python3 bench/attention_splits.py --out "$OUT/h200_attention_splits.json" ;;
+    l2) timeout 120 python3 bench/l2_prefetch.py --out "$OUT/h200_l2_prefetch.json" ;;
     decode_sync) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \
               --repeats 3 --no-hf --async-scheduling off --out "$OUT/h200_decode_sync.json" 2>&1 | grep "^{" ;;
   esac

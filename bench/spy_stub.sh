@@ -9,7 +9,7 @@ sleep "${1:-4}"
 pid=$(pgrep triton_python_b | head -1)
 echo "stub pid $pid"
 py-spy dump -p "$pid" > "$OUT/dump.txt" 2>&1
-py-spy record -p "$pid" -d 6 -r 200 --threads --idle --nonblocking --format raw \
+py-spy record -p "$pid" -d 6 -r 200 --threads --idle --subprocesses --nonblocking --format raw \
   -o "$OUT/stub_idle.txt" > "$OUT/spy1.log" 2>&1 &
 py-spy record -p "$pid" -d 6 -r 200 --threads --gil --nonblocking --format raw \
   -o "$OUT/stub_gil.txt" > "$OUT/spy2.log" 2>&1
