@@ -186,8 +186,11 @@ def grpc_one(url: str, new: int, use_ids: bool = False):
 
 
 def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
-    url, new, first, n, concurrency, ids = job
-    t0 = time.time()  # NOTE: wall clock: comparable across the client processes
+    url, new, first, n, concurrency, ids, start_at = job
+    # NOTE: every process starts at the same wall-clock moment (spawned processes are ready at
+    # different times, seconds apart: their skew would count as serving time)
+    time.sleep(max(0.0, start_at - time.time()))
+    t0 = time.time()
     timing, _ = run_pool(concurrency, n, grpc_one(url, new, use_ids=ids), first)
     return timing.ttft, timing.itl, timing.tokens, t0, time.time()
 
@@ -196,9 +199,12 @@ def run_procs(url: str, new: int, concurrency: int, n: int, procs: int,
               ids: bool) -> tuple[Timing, float]:
     """gRPC streams from `procs` client processes, concurrency / procs streams each."""
     assert concurrency % procs == 0 and n % procs == 0, "concurrency and requests: multiples of procs"
-    jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs, ids) for p in range(procs)]
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        parts = pool.map(_client_proc, jobs)
+        pool.map(time.sleep, [0.5] * procs, chunksize=1)  # NOTE: workers up (imports done) first
+        start_at = time.time() + 2.0
+        jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs, ids, start_at)
+                for p in range(procs)]
+        parts = pool.map(_client_proc, jobs, chunksize=1)
     timing = Timing()
     for ttft, itl, tokens, _, _ in parts:
         timing.ttft += ttft
