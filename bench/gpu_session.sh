@@ -2,7 +2,7 @@
 # Everything a GPU session measures, in one device call (carry [".whl/slim"], made by
 # bench/device_bundle.sh): the GPU tests, the tritonserver stream benchmark with the stub sampled
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
-#   bash bench/gpu_session.sh [tests|triton|decode|decode_sync|attn|l2 ...]   (default: the first three)
+#   bash bench/gpu_session.sh [tests|triton|triton_wait|decode|decode_sync|attn|l2 ...]   (default: the first three)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -23,6 +23,10 @@ for part in $parts; do
             pkill -9 triton_python_b ;;
     decode) timeout 240 python3 bench/gpu_decode.py --shapes llama-1b llama-8b --batches-1b 1 64 \
               --batches-8b 1 --repeats 4 --no-hf --out "$OUT/h200_decode.json" 2>&1 | grep "^{" ;;
+    triton_wait) timeout 280 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 \
+              --requests 1536 --new 256 --client-procs 8 --param prefill_wait_ms=${WAIT_MS:-10} \
+              --out "$OUT/h200_triton_wait.json" 2>&1 | grep -v "^|" | tail -4
+            pkill -9 triton_python_b ;;
     attn) timeout 100 python3 bench/attention_splits.py --out "$OUT/h200_attention_splits.json" ;;
     l2) timeout 120 python3 bench/l2_prefetch.py --out "$OUT/h200_l2_prefetch.json" ;;
     decode_sync) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \

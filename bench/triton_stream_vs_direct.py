@@ -48,17 +48,22 @@ def prompt_ids(i: int) -> list[int]:
     return [(i * 7919 + j * 104729) % 120000 + 10 for j in range(32)]
 
 
-def gpu_repository(folder: str, root: str) -> str:
-    """A repository holding only a copy of the llm model, serving `folder` with random weights."""
+def gpu_repository(folder: str, root: str, params: dict[str, str]) -> str:
+    """A repository holding only a copy of the llm model serving `folder` (random weights unless
+    it is "default"), with `params` set."""
     dst = os.path.join(root, "llm")
     shutil.copytree(os.path.join(REPO, "llm"), dst)
     path = os.path.join(dst, "config.pbtxt")
     text = open(path).read()
     text = re.sub(r'key: "model", value: \{ string_value: "[^"]*" \}',
                   f'key: "model", value: {{ string_value: "{folder}" }}', text)
-    text = re.sub(r'key: "dtype", value: \{ string_value: "[^"]*" \}',
-                  'key: "dtype", value: { string_value: "bfloat16" }', text)
-    text = text.replace('parameters [', 'parameters [\n  { key: "load_format", value: { string_value: "dummy" } },')
+    random = {} if folder == "default" else {"load_format": "dummy", "dtype": "bfloat16"}
+    extra = random | params
+    for key, value in extra.items():
+        text, n = re.subn(r'key: "%s", value: \{ string_value: "[^"]*" \}' % key,
+                          f'key: "{key}", value: {{ string_value: "{value}" }}', text)
+        if not n:
+            text = text.replace("parameters [", f'parameters [\n  {{ key: "{key}", value: {{ string_value: "{value}" }} }},')
     open(path, "w").write(text)
     return root
 
@@ -220,20 +225,24 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--shape", default="", help="GPU: a bench/shapes.py shape, random weights")
     ap.add_argument("--client-procs", type=int, default=1)
+    ap.add_argument("--param", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="engine parameters (config.pbtxt keys) for the engine and the served model")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_triton.json"))
     args = ap.parse_args()
 
     rows = {c: {} for c in args.concurrency}
+    params = dict(p.split("=", 1) for p in args.param)
     ids = bool(args.shape)
     if ids:
         from shapes import random_model
 
         folder = random_model(args.shape)
-        config = EngineConfig(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
-                              max_num_seqs=64)
-        repo = gpu_repository(folder, tempfile.mkdtemp())
+        base = dict(model=folder, device="cuda", load_format="dummy", dtype="bfloat16", max_num_seqs="64")
+        repo = gpu_repository(folder, tempfile.mkdtemp(), params)
     else:
-        config, repo = EngineConfig(device="cpu", max_num_seqs=64), REPO
+        base = dict(device="cpu", max_num_seqs="64")
+        repo = REPO if not params else gpu_repository("default", tempfile.mkdtemp(), params)
+    config = EngineConfig.from_parameters({**base, **params})
     engine = Engine(config).start()
     try:
         run_pool(2, 2, direct_one(engine, 8, ids))  # warm-up
@@ -278,6 +287,7 @@ def main() -> None:
         "model": f"{args.shape} random bf16 (GPU)" if ids else "SmolLM2-135M-Instruct float32 (CPU)",
         **({"stream_vs_direct_ratio_c64": rows[64]["ratio"]} if 64 in rows else {}),
         "new_tokens": args.new,
+        "params": params,
         "rows": [{"concurrency": c, **r} for c, r in rows.items()],
     })
     print("| concurrency | path | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")

@@ -43,6 +43,10 @@ class EngineConfig:
     # NOTE: queue decode step t+1 before reading step t, so the loop's Python (reading, stop
     # checks, publishing, scheduling) runs while the device computes. auto = on for CUDA.
     async_scheduling: str = "auto"
+    # NOTE: while sequences decode, a new prompt waits up to this long for others, so that prompts
+    # arriving close together prefill in one step (a step that prefills runs outside the CUDA
+    # graphs, and on the GPU costs a few decode steps); 0 = admit at once
+    prefill_wait_ms: float = 0.0
     # NOTE: Triton: run the engine's loop in a child process (its own GIL); false: a thread of the
     # Python stub, sharing the GIL with the response sender
     engine_process: bool = True
@@ -78,6 +82,8 @@ class EngineConfig:
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_num_seqs "
                 f"({self.max_num_seqs})"
             )
+        if not 0.0 <= self.prefill_wait_ms <= 1000.0:
+            raise ConfigError(f"prefill_wait_ms: {self.prefill_wait_ms} must be in 0..1000")
         if not 0.0 <= self.drain_timeout_s <= 3600.0:
             raise ConfigError(f"drain_timeout_s: {self.drain_timeout_s} must be in 0..3600")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

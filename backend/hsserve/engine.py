@@ -233,6 +233,9 @@ class Engine:
                 self._dead = not clean
                 self._drain_unprocessed()
             self._fail_all("the engine shut down" if clean else f"the engine stopped: {self.error!r}")
+            log.info("engine loop ended after %d steps (%d queued ahead, %d mixed), %d preemptions",
+                     self.num_steps, self.num_ahead_steps, self.num_mixed_steps,
+                     self.scheduler.num_preemptions)
             self._release()
 
     def _abandon_inflight(self, why: str) -> None:
@@ -321,7 +324,7 @@ class Engine:
             self._complete(prev)
             if ahead:
                 return
-        chunks = self.scheduler.schedule()
+        chunks = self.scheduler.schedule(admit=self._admit_now())
         if not chunks:
             return
         step = self._launch(chunks)
@@ -346,7 +349,7 @@ class Engine:
         sched = self.scheduler
         if not all(prev.sampled):
             return None  # NOTE: a prompt in progress, or a row-only step
-        if sched.waiting and len(sched.running) < self.config.max_num_seqs:
+        if self._admit_now():
             return None  # NOTE: prompts to admit
         chunks, grow = [], []
         bs = self.pool.block_size
@@ -367,6 +370,19 @@ class Engine:
         for seq in grow:
             seq.block_table += self.pool.allocate(1)
         return chunks
+
+    def _admit_now(self) -> bool:
+        """Admit waiting prompts this step: at once when nothing runs, when they fill the free
+        slots, or when the oldest has waited prefill_wait_ms; until then decoding goes on, so
+        that prompts arriving close together prefill in one step."""
+        sched = self.scheduler
+        free = self.config.max_num_seqs - len(sched.running)
+        if not sched.waiting or free <= 0:
+            return False
+        wait = self.config.prefill_wait_ms / 1000
+        if not wait or not sched.running or len(sched.waiting) >= free:
+            return True
+        return EngineStats.now() - sched.waiting[0].t_submit >= wait
 
     def _postprocess(self, chunks: list[Chunk], out: StepOutput) -> None:
         for i, c in enumerate(chunks):

@@ -65,7 +65,8 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, admit: bool = True) -> list[Chunk]:
+        """This step's chunks; waiting sequences are admitted only when `admit`."""
         chunks: list[Chunk] = []
         budget = self.max_num_batched_tokens
         running = sorted(self.running, key=lambda s: s.arrival)
@@ -83,7 +84,7 @@ class Scheduler:
                 n = min(seq.num_uncomputed, budget)
                 chunks.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
-        for seq in list(self.waiting):
+        for seq in list(self.waiting) if admit else ():
             if not budget or len(self.running) >= self.max_num_seqs:
                 break
             hashes = self._usable_hashes(seq)

@@ -226,3 +226,35 @@ def test_abort_unknown_and_finished_is_harmless(smollm_engine):
     r = smollm_engine.generate(GenerationRequest("after-abort", prompt="x", sampling=SamplingParams(
         max_tokens=3, temperature=0)), timeout=60)
     assert r.finish_reason is not None
+
+
+@pytest.mark.parametrize("wait_ms", [0.0, 400.0])
+def test_prefill_wait_gathers_prompts_arriving_while_others_decode(tiny_model_dir, wait_ms):
+    """prefill_wait_ms: prompts arriving 10 ms apart while a request decodes prefill in one step
+    (and none before the wait); with 0 each is admitted at once, in a step of its own."""
+    engine = Engine(EngineConfig(model=tiny_model_dir("llama"), device="cpu", max_num_seqs=8,
+                                 prefill_wait_ms=wait_ms)).start()
+    try:
+        endless = engine.submit(GenerationRequest("long", prompt_ids=[5, 6, 7], sampling=SamplingParams(
+            max_tokens=500, ignore_eos=True, temperature=0.0)))
+        next(iter(endless))
+        mixed, steps = engine.num_mixed_steps, engine.num_steps
+        t0 = time.monotonic()
+        streams = []
+        for i in range(3):
+            streams.append(engine.submit(GenerationRequest(f"p{i}", prompt_ids=[9 + i] * 5,
+                                                           sampling=SamplingParams(max_tokens=2))))
+            time.sleep(0.01)
+        first = [next(iter(s)) for s in streams]
+        waited = time.monotonic() - t0
+        assert all(d.token_ids for d in first)
+        if wait_ms:
+            assert engine.num_mixed_steps == mixed + 1
+            assert waited >= wait_ms / 1000 - 0.01
+        else:
+            assert engine.num_mixed_steps >= mixed + 2, (engine.num_mixed_steps, mixed,
+                                                         engine.num_steps - steps)
+        engine.abort("long")
+        assert endless.result(timeout=60).finish_reason == FinishReason.CANCELLED
+    finally:
+        engine.shutdown()
