@@ -17,6 +17,7 @@ the llm model folder; prompts are 32 random token ids (input_ids); gRPC clients 
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing
 import os
 import queue
@@ -200,13 +201,20 @@ def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
     return timing.ttft, timing.itl, timing.tokens, t0, time.time()
 
 
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
 def run_procs(url: str, new: int, concurrency: int, n: int, procs: int,
               ids: bool) -> tuple[Timing, float]:
     """gRPC streams from `procs` client processes, concurrency / procs streams each."""
     assert concurrency % procs == 0 and n % procs == 0, "concurrency and requests: multiples of procs"
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        pool.map(time.sleep, [0.5] * procs, chunksize=1)  # NOTE: workers up (imports done) first
-        start_at = time.time() + 2.0
+        up: set[int] = set()
+        while len(up) < procs:  # NOTE: every worker up (its imports done) before the start time
+            up |= set(pool.map(_pid_after, [0.05] * 2 * procs, chunksize=1))
+        start_at = time.time() + 1.0
         jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs, ids, start_at)
                 for p in range(procs)]
         parts = pool.map(_client_proc, jobs, chunksize=1)
@@ -229,6 +237,7 @@ def main() -> None:
                     help="engine parameters (config.pbtxt keys) for the engine and the served model")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_triton.json"))
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # NOTE: the engines' step counts
 
     rows = {c: {} for c in args.concurrency}
     params = dict(p.split("=", 1) for p in args.param)

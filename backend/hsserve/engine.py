@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -63,6 +64,7 @@ class Engine:
         self.stats = EngineStats()
         self.num_mixed_steps = 0  # steps that ran prefill and decode together
         self.num_ahead_steps = 0  # steps queued before the previous one was read
+        self.busy_s = 0.0  # seconds the loop spent in steps (the rest: idle)
         self._inflight: Launched | None = None  # NOTE: launched, not read yet (async scheduling)
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -212,6 +214,7 @@ class Engine:
                 if not self._drain(block=not self._has_work()):
                     break
                 if self._has_work():
+                    t0 = time.perf_counter()
                     try:
                         self._step()
                     except Exception as e:  # NOTE: fail what is in flight, keep serving
@@ -219,6 +222,7 @@ class Engine:
                         self.error = e
                         self._abandon_inflight("after a failed step")
                         self._fail_all(f"engine step failed: {e!r}")
+                    self.busy_s += time.perf_counter() - t0
                     if 0 < self._crash_after_steps <= self.num_steps:  # NOTE: test-only hook
                         raise RuntimeError(f"{TEST_CRASH_ENV}={self._crash_after_steps}: crash")
                 else:
@@ -233,9 +237,9 @@ class Engine:
                 self._dead = not clean
                 self._drain_unprocessed()
             self._fail_all("the engine shut down" if clean else f"the engine stopped: {self.error!r}")
-            log.info("engine loop ended after %d steps (%d queued ahead, %d mixed), %d preemptions",
-                     self.num_steps, self.num_ahead_steps, self.num_mixed_steps,
-                     self.scheduler.num_preemptions)
+            log.info("engine loop ended after %d steps in %.2f s busy (%d queued ahead, %d mixed), "
+                     "%d preemptions", self.num_steps, self.busy_s, self.num_ahead_steps,
+                     self.num_mixed_steps, self.scheduler.num_preemptions)
             self._release()
 
     def _abandon_inflight(self, why: str) -> None:
@@ -346,7 +350,6 @@ class Engine:
     def _plan_ahead(self, prev: Launched) -> list[Chunk] | None:
         """The decode step after prev for the sequences prev sampled, reading prev's samples on
         the device; None when the scheduler must decide first (read prev, then schedule)."""
-        sched = self.scheduler
         if not all(prev.sampled):
             return None  # NOTE: a prompt in progress, or a row-only step
         if self._admit_now():
