@@ -17,12 +17,11 @@ for part in $parts; do
   case $part in
     tests) timeout 300 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 \
              | grep -v "^[IW]1\|^|\|^+" | tail -15 ;;
-    triton) (bash bench/spy_stub.sh 4 > "$OUT/spy.out" 2>&1 &)
+    triton) [ "${SPY:-1}" = 1 ] && (bash bench/spy_stub.sh 4 > "$OUT/spy.out" 2>&1 &)
             timeout 280 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 \
-              --requests 1536 --new 256 --client-procs 8 --out "$OUT/h200_triton.json" 2>&1 | grep -v "^|" | tail -4
+              --requests 1536 --new 256 --client-procs "${CLIENT_PROCS:-8}" \
+              --out "$OUT/${TRITON_OUT:-h200_triton}.json" 2>&1 | grep -v "^|" | tail -4
             pkill -9 triton_python_b ;;
-    decode) timeout 240 python3 bench/gpu_decode.py --shapes llama-1b llama-8b --batches-1b 1 64 \
-              --batches-8b 1 --repeats 4 --no-hf --out "$OUT/h200_decode.json" 2>&1 | grep "^{" ;;
     triton_wait) timeout 280 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 \
               --requests 1536 --new 256 --client-procs 8 --param prefill_wait_ms=${WAIT_MS:-10} \
               --out "$OUT/h200_triton_wait.json" 2>&1 | grep -v "^|" | tail -4
