@@ -233,6 +233,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--shape", default="", help="GPU: a bench/shapes.py shape, random weights")
     ap.add_argument("--client-procs", type=int, default=1)
+    ap.add_argument("--child-path", default="",
+                    help="a folder put first on the engine process's import path (as the stub's, e.g. "
+                         "numpy<2 for tritonserver 2.51), for a second engine-process row")
+    ap.add_argument("--no-server", action="store_true", help="engine rows only")
     ap.add_argument("--param", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine parameters (config.pbtxt keys) for the engine and the served model")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_triton.json"))
@@ -265,16 +269,26 @@ def main() -> None:
             print(f"direct (sinks) c={c}: {rows[c]['direct_sinks']}", flush=True)
     finally:
         engine.shutdown()
-    child = EngineProcess(config).start()  # NOTE: what the adapter runs, without Triton
-    try:
-        run_direct_sinks(child, 2, 2, 8, ids)  # warm-up
-        for c in args.concurrency:
-            n = max(args.requests if c > 1 else 4, c)
-            timing, wall = run_direct_sinks(child, c, n, args.new, ids)
-            rows[c]["child_sinks"] = timing.summary(wall)
-            print(f"engine process (sinks) c={c}: {rows[c]['child_sinks']}", flush=True)
-    finally:
-        child.shutdown()
+    for row, path in (("child_sinks", ""), ("child_sinks_path", args.child_path)):
+        if row != "child_sinks" and not path:
+            continue
+        if path:
+            sys.path.insert(0, path)  # NOTE: the child process starts with this sys.path
+        child = EngineProcess(config).start()  # NOTE: what the adapter runs, without Triton
+        try:
+            run_direct_sinks(child, 2, 2, 8, ids)  # warm-up
+            for c in args.concurrency:
+                n = max(args.requests if c > 1 else 4, c)
+                timing, wall = run_direct_sinks(child, c, n, args.new, ids)
+                rows[c][row] = timing.summary(wall)
+                print(f"engine process ({row}) c={c}: {rows[c][row]}", flush=True)
+        finally:
+            child.shutdown()
+            if path:
+                sys.path.remove(path)
+    if args.no_server:
+        print(rows)
+        return
     server = start_server(repo, log_path=os.path.join(os.path.dirname(args.out), "triton_bench_server.log"))
     try:
         server.wait_ready(timeout=600, models=("llm",))
