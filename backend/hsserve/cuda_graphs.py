@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hsserve.attention_batch import AttentionBatch
+from hsserve.kernels.argmax import argmax_rows
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.models.decoder import Decoder
 
@@ -34,25 +35,46 @@ def batch_ladder(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def fill_host_inputs(meta: np.ndarray, tables_out: np.ndarray, ids: list[int], sources: list[int],
-                     positions: list[int], slots: list[int], lens: list[int],
-                     tables: list[list[int]], size: int) -> int:
-    """Write one step's inputs into the host buffers (numpy views of the pinned tensors; numpy
+def fill_host_inputs(meta: np.ndarray, ids: list[int], sources: list[int], positions: list[int],
+                     slots: list[int], lens: list[int], size: int) -> None:
+    """Write one step's inputs into the host buffer (a numpy view of the pinned tensor; numpy
     takes Python lists at half the cost of torch.tensor): meta rows ids, sources, positions,
     slots, lengths for n = len(ids) rows, padding rows n..size-1 (slot -1, length 0: they write
-    and read nothing), and each row's block table, zero-padded to the widest, packed as
-    [n, width] at the start of the flat `tables_out`. A row's source is where the graph reads its
-    input token in the static buffer [samples; ids; ...] of width meta.shape[1]: its entry of
-    `ids` when `sources` gives -1, else that entry of the samples. Returns the table width."""
+    and read nothing). A row's source is where the graph reads its input token in the static
+    buffer [samples; ids; ...] of width meta.shape[1]: its entry of `ids` when `sources` gives
+    -1, else that entry of the samples."""
     n = len(ids)
     b = meta.shape[1]
-    width = max(len(t) for t in tables)
     src = np.asarray(sources, dtype=np.int64)
     meta[:, :n] = (ids, np.where(src >= 0, src, b + np.arange(n)), positions, slots, lens)
     meta[1, n:size] = 0
     meta[3, n:size] = -1
     meta[4, n:size] = 0
-    tables_out[: n * width].reshape(n, width)[:] = [t + [0] * (width - len(t)) for t in tables]
+
+
+class DeviceTables:
+    """Which block tables the device's table buffer holds: the host lists they were copied from
+    (held, compared by identity) and their lengths. A running sequence's list is only ever
+    appended to (a longer length shows it); admission and preemption give it a new list."""
+
+    def __init__(self):
+        self._lists: list[list[int]] = []
+        self._lens: list[int] = []
+
+    def changed(self, tables: list[list[int]]) -> bool:
+        """True (and remembered as on the device) unless `tables` are what the device holds."""
+        lens = [len(t) for t in tables]
+        if lens == self._lens and all(a is b for a, b in zip(self._lists, tables)):
+            return False
+        self._lists, self._lens = list(tables), lens
+        return True
+
+
+def pack_tables(out: np.ndarray, tables: list[list[int]]) -> int:
+    """Each row's block table, zero-padded to the widest, packed as [rows, width] at the start of
+    the flat `out`; returns the width."""
+    width = max(len(t) for t in tables)
+    out[: len(tables) * width].reshape(len(tables), width)[:] = [t + [0] * (width - len(t)) for t in tables]
     return width
 
 
@@ -84,6 +106,8 @@ class DecodeGraphs:
         self._turn = 0
         self.rows_index = torch.arange(b, device=dev)
         self.logits = torch.empty(b, spec.vocab_size, dtype=torch.float32, device=dev)
+        self.greedy = torch.zeros(b, dtype=torch.long, device=dev)  # NOTE: each row's argmax
+        self._device_tables = DeviceTables()
         self.rows = (
             torch.empty(b, len(self.layers), spec.hidden_size, dtype=model.embed.dtype, device=dev)
             if self.layers else None
@@ -107,6 +131,7 @@ class DecodeGraphs:
         ids = self.buf.view(-1)[self.sources[:size]]
         hidden = self.model(ids, self.positions[:size], batch, self.kv_cache, capture)
         self.model.logits(hidden, out=self.logits[:size])
+        argmax_rows(self.logits[:size], out=self.greedy[:size])  # NOTE: greedy rows need no launch
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,22 +155,24 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], sources: list[int], positions: list[int], slots: list[int],
             tables: list[list[int]], lens: list[int], with_rows: bool):
-        """Replay for len(ids) sequences (`sources` as in fill_host_inputs); returns (logits
-        [n, vocab], rows [n, layers, hidden] or None) as views of the static buffers (valid until
-        the next run is queued)."""
+        """Replay for len(ids) sequences (`sources` as in fill_host_inputs; `tables` the
+        sequences' own block-table lists); returns (logits [n, vocab], rows [n, layers, hidden]
+        or None, each row's argmax [n]) as views of the static buffers (valid until the next run
+        is queued)."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         t = self._turn
         self._turn ^= 1
-        width = fill_host_inputs(self.host_meta_np[t], self.host_tables_np[t], ids, sources,
-                                 positions, slots, lens, tables, size)
+        fill_host_inputs(self.host_meta_np[t], ids, sources, positions, slots, lens, size)
         # NOTE: host-to-device copies only between contiguous buffers (a strided one goes
         # through a pageable temporary, and a pageable copy may wait for the device): meta
         # whole, the tables packed [n, width], then spread on the device
         self.meta.copy_(self.host_meta[t], non_blocking=True)
-        stage = self.tables_stage[: n * width]
-        stage.copy_(self.host_tables[t, : n * width], non_blocking=True)
-        self.tables[:n, :width].copy_(stage.view(n, width))
+        if self._device_tables.changed(tables):  # NOTE: most steps: the same tables as before
+            width = pack_tables(self.host_tables_np[t], tables)
+            stage = self.tables_stage[: n * width]
+            stage.copy_(self.host_tables[t, : n * width], non_blocking=True)
+            self.tables[:n, :width].copy_(stage.view(n, width))
         self.graphs[(size, with_rows and self.rows is not None)].replay()
         rows = self.rows[:n] if with_rows and self.rows is not None else None
-        return self.logits[:n], rows
+        return self.logits[:n], rows, self.greedy[:n]
