@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from hsserve.attention_batch import AttentionBatch
-from hsserve.kernels.argmax import argmax_rows
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.models.decoder import Decoder
 
@@ -106,7 +105,6 @@ class DecodeGraphs:
         self._turn = 0
         self.rows_index = torch.arange(b, device=dev)
         self.logits = torch.empty(b, spec.vocab_size, dtype=torch.float32, device=dev)
-        self.greedy = torch.zeros(b, dtype=torch.long, device=dev)  # NOTE: each row's argmax
         self._device_tables = DeviceTables()
         self.rows = (
             torch.empty(b, len(self.layers), spec.hidden_size, dtype=model.embed.dtype, device=dev)
@@ -131,7 +129,6 @@ class DecodeGraphs:
         ids = self.buf.view(-1)[self.sources[:size]]
         hidden = self.model(ids, self.positions[:size], batch, self.kv_cache, capture)
         self.model.logits(hidden, out=self.logits[:size])
-        argmax_rows(self.logits[:size], out=self.greedy[:size])  # NOTE: greedy rows need no launch
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -157,8 +154,7 @@ class DecodeGraphs:
             tables: list[list[int]], lens: list[int], with_rows: bool):
         """Replay for len(ids) sequences (`sources` as in fill_host_inputs; `tables` the
         sequences' own block-table lists); returns (logits [n, vocab], rows [n, layers, hidden]
-        or None, each row's argmax [n]) as views of the static buffers (valid until the next run
-        is queued)."""
+        or None) as views of the static buffers (valid until the next run is queued)."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         t = self._turn
@@ -175,4 +171,4 @@ class DecodeGraphs:
             self.tables[:n, :width].copy_(stage.view(n, width))
         self.graphs[(size, with_rows and self.rows is not None)].replay()
         rows = self.rows[:n] if with_rows and self.rows is not None else None
-        return self.logits[:n], rows, self.greedy[:n]
+        return self.logits[:n], rows

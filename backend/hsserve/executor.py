@@ -193,16 +193,15 @@ class Executor:
         sampled = [c.samples for c in chunks]
         g = self.graphs
         if g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks):
-            logits, captured, layers, slices, greedy = self._forward_graph(chunks, sources, sampled)
+            logits, captured, layers, slices = self._forward_graph(chunks, sources, sampled)
         else:
             logits, captured, layers, slices = self._forward_eager(chunks, sources, sampled)
-            greedy = None
         tokens = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
             samples = sample(logits, [c.seq.sampling for c in sampling],
                              [c.seq.seed for c in sampling],
-                             [c.end - c.seq.num_prompt_tokens for c in sampling], greedy)
+                             [c.end - c.seq.num_prompt_tokens for c in sampling])
             self.sampled[: len(sampling)].copy_(samples)
             tokens = download(samples)
         if captured is not None:
@@ -276,7 +275,7 @@ class Executor:
         if keep and len(wanted_layers) < len(g.layers):
             column = {k: j for j, k in enumerate(g.layers)}
             cols = upload([column[k] for k in wanted_layers], dev)
-        logits, rows, greedy = g.run(
+        logits, rows = g.run(
             [0 if c.ahead else c.seq.token_ids[c.start] for c in chunks],
             sources,
             [c.start for c in chunks],
@@ -286,9 +285,9 @@ class Executor:
             with_rows=bool(keep),
         )
         if not sampling:
-            logits = greedy = None
+            logits = None
         elif pick is not None:
-            logits, greedy = logits[pick], greedy[pick]
+            logits = logits[pick]
         layers, captured = g.layers, None
         if keep:
             captured = rows[keep_index] if keep_index is not None else rows
@@ -299,4 +298,4 @@ class Executor:
         for w in wanted:
             slices.append((first, len(w)))
             first += len(w)
-        return logits, captured, layers, slices, greedy
+        return logits, captured, layers, slices

@@ -52,17 +52,13 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
-    greedy: torch.Tensor | None = None,
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]
 ) -> torch.Tensor:
-    """logits [B, vocab] float32 -> token ids [B] (int64, on logits' device). `greedy`: each
-    row's argmax when already computed (the decode graphs do it), else computed here."""
-    out = argmax_rows(logits) if greedy is None else greedy
+    """logits [B, vocab] float32 -> token ids [B] (int64, on logits' device)."""
+    out = argmax_rows(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    if greedy is not None:
-        out = out.clone()  # NOTE: written below; greedy may be a graph's static buffer
     dev = logits.device
     idx = upload(rows, dev)
     x = logits[idx] / upload([params[i].temperature for i in rows], dev, torch.float32)[:, None]
