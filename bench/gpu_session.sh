@@ -22,6 +22,8 @@ for part in $parts; do
               --requests 1536 --new 256 --client-procs "${CLIENT_PROCS:-8}" \
               --out "$OUT/${TRITON_OUT:-h200_triton}.json" 2>&1 | grep -v "^|" | tail -4
             pkill -9 triton_python_b ;;
+    decode) timeout 240 python3 bench/gpu_decode.py --shapes llama-1b llama-8b --batches-1b 1 64 \
+              --batches-8b 1 --repeats 4 --no-hf --out "$OUT/h200_decode.json" 2>&1 | grep "^{\|Error" ;;
     triton_wait) timeout 280 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 \
               --requests 1536 --new 256 --client-procs 8 --param prefill_wait_ms=${WAIT_MS:-10} \
               --out "$OUT/h200_triton_wait.json" 2>&1 | grep -v "^|" | tail -4
@@ -30,5 +32,7 @@ for part in $parts; do
     l2) timeout 120 python3 bench/l2_prefetch.py --out "$OUT/h200_l2_prefetch.json" ;;
     decode_sync) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \
               --repeats 3 --no-hf --async-scheduling off --out "$OUT/h200_decode_sync.json" 2>&1 | grep "^{" ;;
+    none) ;;  # NOTE: the set-up only
+    *) echo "gpu_session.sh: unknown part $part" >&2 ;;
   esac
 done

@@ -178,6 +178,3 @@ def check_argmax(device, rows, vocab, seed=0):
         x[2] = float("-inf")
     x = x.to(device)
     assert torch.equal(argmax_triton(x), x.argmax(dim=-1))
-    out = torch.full((rows + 2,), -5, dtype=torch.int64, device=device)
-    argmax_triton(x, out=out[:rows])  # NOTE: into a slice of a static buffer (the decode graphs)
-    assert torch.equal(out[:rows], x.argmax(dim=-1)) and (out[rows:] == -5).all()

@@ -41,22 +41,20 @@ def _pick_kernel(VALS, IDX, OUT, num_slices, PAD: tl.constexpr):
     tl.store(OUT + r, tl.load(IDX + r * num_slices + k))
 
 
-def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] float32 -> the first index of each row's max [rows] int64 (the
-    kernels on CUDA, torch's argmax, their reference, elsewhere), into `out` when given."""
+    kernels on CUDA, torch's argmax, their reference, elsewhere)."""
     if logits.device.type != "cuda" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        best = logits.argmax(dim=-1)
-        return best if out is None else out.copy_(best)
-    return argmax_triton(logits, out)
+        return logits.argmax(dim=-1)
+    return argmax_triton(logits)
 
 
-def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     rows, n = logits.shape
     num_slices = triton.cdiv(n, _SLICE)
     vals = torch.empty(rows, num_slices, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, num_slices, dtype=torch.int64, device=logits.device)
-    if out is None:
-        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         _slice_max_kernel[(rows, num_slices)](logits, vals, idx, logits.stride(0), n, num_slices,
                                               SLICE=_SLICE)
