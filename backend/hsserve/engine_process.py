@@ -192,16 +192,21 @@ class EngineProcess:
         rid = request.request_id
         with self._ids.lock:
             self._ids.claim(rid)
-            try:
-                if self._dead or self._stopped:
-                    raise EngineUnavailable("the engine is not serving")
-                self._command("add", wire)
-            except (OSError, EngineUnavailable) as e:
+            if self._dead or self._stopped:
                 self._ids.release(rid)
-                if isinstance(e, EngineUnavailable):
-                    raise
+                raise EngineUnavailable("the engine is not serving")
+            self._sinks[rid] = sink  # NOTE: before the child can answer
+        try:
+            # NOTE: outside the ids lock: a full pipe blocks this send until the child reads, and
+            # the child may first need the receiver (which takes that lock) to drain its events
+            self._command("add", wire)
+        except Exception as e:
+            with self._ids.lock:
+                self._sinks.pop(rid, None)
+                self._ids.release(rid)
+            if isinstance(e, OSError):
                 raise EngineUnavailable(f"the engine process is gone: {e!r}") from None
-            self._sinks[rid] = sink
+            raise
         return sink
 
     def abort(self, request_id: str) -> None:
