@@ -25,7 +25,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backend"))
 from attention_splits import make_inputs  # noqa: E402
-from common import write_result  # noqa: E402
+from common import time_graph, write_result  # noqa: E402
 from hsserve.kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
 
 
@@ -104,27 +104,11 @@ def main() -> None:
 
         for variant in ("plain", "touch_o", "touch_o_gu", "pf_o", "pf_o_gu"):
             for programs in ([0] if variant == "plain" else args.programs):
-                step(variant, programs)
-                torch.cuda.synchronize()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=s):
-                    step(variant, programs)
-                for _ in range(3):
-                    g.replay()
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(20):
-                    g.replay()
-                b.record()
-                b.synchronize()
-                us = a.elapsed_time(b) * 1000 / 20 / args.layers
+                us = time_graph(lambda _, v=variant, p=programs: step(v, p), 1, replays=20)
+                us /= args.layers
                 row = {"batch": m, "variant": variant, "programs": programs, "us_per_layer": round(us, 2)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-                del g
     if args.out:
         write_result(args.out, {"benchmark": "l2_prefetch", **vars(args), "rows": rows})
 
