@@ -202,8 +202,10 @@ class EngineProcess:
             self._command("add", wire)
         except Exception as e:
             with self._ids.lock:
-                self._sinks.pop(rid, None)
+                mine = self._sinks.pop(rid, None) is not None
                 self._ids.release(rid)
+            if not mine:
+                return sink  # NOTE: the engine stopped meanwhile and the sink got its error delta
             if isinstance(e, OSError):
                 raise EngineUnavailable(f"the engine process is gone: {e!r}") from None
             raise
@@ -226,9 +228,14 @@ class EngineProcess:
         if not self.healthy:
             return None
         with self._snapshot_lock:
+            while True:  # NOTE: a late answer to an earlier call is not this call's
+                try:
+                    self._snapshots.get_nowait()
+                except queue.Empty:
+                    break
             self._command_quietly("snapshot", None)
             try:
-                return self._snapshots.get(timeout=_SNAPSHOT_TIMEOUT_S)
+                return self._snapshots.get(timeout=_SNAPSHOT_TIMEOUT_S)  # NOTE: None: it ended
             except queue.Empty:
                 return None
 
@@ -257,15 +264,21 @@ class EngineProcess:
                 elif kind == "died":
                     self.error, self._dead = RuntimeError(arg), True
                 elif kind == "stopped":
+                    if not self._stopped:  # NOTE: not asked: the child's command loop failed
+                        self.error = RuntimeError("the engine process stopped by itself")
+                        self._dead = True
                     return
-        except (EOFError, OSError):
+        except BaseException as e:  # noqa: BLE001 - EOF when the child is gone; anything else too
             if not self._stopped:
                 self._proc.join(1)
+                code = self._proc.exitcode
                 self.error = RuntimeError(
-                    f"the engine process exited unexpectedly (code {self._proc.exitcode})")
+                    f"the engine process exited unexpectedly (code {code})" if code is not None
+                    else f"reading the engine process failed: {e!r}")
                 self._dead = True
                 log.error("%s", self.error)
         finally:
+            self._snapshots.put(None)  # NOTE: wakes a snapshot() waiting for an answer
             self._fail_rest(f"the engine stopped: {self.error!r}" if self._dead
                             else "the engine shut down")
 
@@ -316,16 +329,19 @@ def child_main(config: EngineConfig, cmd, evt) -> None:
     try:
         engine.start()
     except BaseException as e:  # noqa: BLE001 - handed to the parent's start()
-        try:
-            send("failed", e)
-        except Exception:  # noqa: BLE001 - not picklable
-            send("failed", RuntimeError(repr(e)))
+        send("failed", _portable(e))
         return
-    send("ready", {
+    info = {
         "spec": engine.spec, "tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len,
         "max_prompt_tokens": engine.max_prompt_tokens, "captured_layers": engine.captured_layers,
         "device": str(engine.device), "graph_captures": engine.num_graph_captures,
-    })
+    }
+    try:
+        send("ready", info)
+    except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that does not pickle
+        engine.shutdown()
+        send("failed", RuntimeError(f"the engine process could not hand over its model: {e!r}"))
+        return
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     shipper = threading.Thread(target=_ship, args=(outbox, send), name="hsserve-shipper", daemon=True)
     shipper.start()
@@ -334,13 +350,18 @@ def child_main(config: EngineConfig, cmd, evt) -> None:
         while True:
             if engine.died and not told_died:
                 told_died = True
-                outbox.put(("died", f"the engine stopped: {engine.error!r}"))  # NOTE: after its deltas
+                outbox.put(("died", f"the engine stopped: {engine.error!r}"))
             if not cmd.poll(0.5):
                 continue
             kind, arg = pickle.loads(cmd.recv_bytes())
             if kind == "stop":
                 break
-            _apply(engine, kind, arg, outbox, send)
+            try:
+                _apply(engine, kind, arg, outbox, send)
+            except OSError:
+                raise
+            except Exception:  # noqa: BLE001 - one bad command must not stop the engine
+                log.exception("command %r failed", kind)
     except (EOFError, OSError):
         log.warning("the parent process is gone; stopping the engine")
     finally:
@@ -351,6 +372,16 @@ def child_main(config: EngineConfig, cmd, evt) -> None:
             send("stopped", None)
         except OSError:
             pass
+
+
+def _portable(e: BaseException) -> BaseException:
+    """e if it survives a pickle round trip (the parent re-raises it), else a RuntimeError
+    naming it."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _apply(engine: Engine, kind: str, arg, outbox: queue.SimpleQueue, send) -> None:
@@ -378,6 +409,9 @@ def _ship(outbox: queue.SimpleQueue, send) -> None:
         _ship_until_stop(outbox, send)
     except OSError:
         log.warning("the parent process is gone; deltas dropped")
+    except BaseException:  # noqa: BLE001 - without the shipper no request would ever end
+        log.exception("the delta shipper failed; ending the engine process")
+        os._exit(1)  # NOTE: the parent reads EOF and ends every request in flight
 
 
 def _ship_until_stop(outbox: queue.SimpleQueue, send) -> None:

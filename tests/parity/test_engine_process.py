@@ -148,3 +148,13 @@ def test_shutdown_ends_requests_and_leaves_nothing(tiny_model_dir):
 def test_a_load_error_is_raised_by_start(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         EngineProcess(EngineConfig(model=str(tmp_path), device="cpu")).start()
+
+
+def test_a_load_error_that_does_not_unpickle_still_names_itself():
+    from hsserve.engine_process import _portable
+
+    err = RequestError("text_input", "bad")  # NOTE: its __init__ takes two arguments
+    got = _portable(err)
+    assert isinstance(got, RuntimeError) and "RequestError" in str(got) and "bad" in str(got)
+    plain = ConfigError("model: no config.json")
+    assert _portable(plain) is plain
