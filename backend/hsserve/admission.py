@@ -123,8 +123,9 @@ class RequestIds:
         self._ids: set[str] = set()
         self._config = config
 
-    def claim(self, request_id: str) -> None:
-        """Raises RequestError for an id already in flight, EngineUnavailable when full."""
+    def claim(self, request_id: str, closed: bool = False) -> None:
+        """Raises RequestError for an id already in flight, EngineUnavailable when full or when
+        the engine is `closed` (stopped or dead)."""
         if request_id in self._ids:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
         limit = self._config.max_num_seqs + self._config.max_queue_size
@@ -134,6 +135,8 @@ class RequestIds:
                 f"{self._config.max_num_seqs} + max_queue_size {self._config.max_queue_size}); "
                 "retry later"
             )
+        if closed:
+            raise EngineUnavailable("the engine is not serving")
         self._ids.add(request_id)
 
     def release(self, request_id: str) -> None:
@@ -144,3 +147,9 @@ class RequestIds:
 
     def __iter__(self):
         return iter(list(self._ids))
+
+
+def not_serving(error: BaseException | None, dead: bool) -> EngineUnavailable:
+    """The refusal of an engine that is not serving, naming why when its loop died."""
+    why = f": {error!r}" if error is not None and dead else ""
+    return EngineUnavailable(f"the engine is not serving{why}")

@@ -27,12 +27,11 @@ from typing import Callable
 import torch
 
 from hsserve.config import EngineConfig
-from hsserve.admission import Admission, RequestIds
+from hsserve.admission import Admission, RequestIds, not_serving
 from hsserve.engine_setup import EngineParts, build_engine_parts
 from hsserve.executor import Launched, StepOutput, flagged
 from hsserve.request import (
     Delta,
-    EngineUnavailable,
     FinishReason,
     GenerationRequest,
     HiddenStatesMode,
@@ -108,14 +107,10 @@ class Engine:
         """Validate and enqueue; raises RequestError naming the bad input, EngineUnavailable when
         the queue is full or the engine is not serving. Returns the sink."""
         if not self.healthy:
-            why = f": {self.error!r}" if self.error is not None and self._dead else ""
-            raise EngineUnavailable(f"the engine is not serving{why}")
+            raise not_serving(self.error, self._dead)
         seqs = self._admission.make_sequences(request, sink or RequestStream(request.request_id))
         with self._ids.lock:
-            self._ids.claim(request.request_id)
-            if self._dead or self._stopped:
-                self._ids.release(request.request_id)
-                raise EngineUnavailable("the engine is not serving")
+            self._ids.claim(request.request_id, closed=self._dead or self._stopped)
             now = EngineStats.now()
             for seq in seqs:
                 self._arrivals += 1

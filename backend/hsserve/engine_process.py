@@ -35,7 +35,7 @@ import threading
 
 import torch
 
-from hsserve.admission import Admission, RequestIds
+from hsserve.admission import Admission, RequestIds, not_serving
 from hsserve.config import EngineConfig
 from hsserve.engine import Engine, Sink
 from hsserve.request import Delta, EngineUnavailable, FinishReason, GenerationRequest
@@ -69,6 +69,19 @@ def delta_from_wire(w: tuple) -> Delta:
         hidden = torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
     return Delta(rid, tokens, text, hidden, FinishReason(reason) if reason is not None else None,
                  n_in, n_out, error, index, done)
+
+
+def error_delta(request_id: str, message: str) -> Delta:
+    """The one final delta of a request that the engine process could not serve."""
+    return Delta(request_id, [], "", finish_reason=FinishReason.ERROR, error=message,
+                 request_done=True)
+
+
+def _post(conn, lock: threading.Lock, kind: str, arg) -> None:
+    """One message (kind, arg) on a pipe, whole: several threads send on each end."""
+    data = pickle.dumps((kind, arg), protocol=pickle.HIGHEST_PROTOCOL)
+    with lock:
+        conn.send_bytes(data)
 
 
 def _python_executable() -> str:
@@ -117,10 +130,9 @@ class EngineProcess:
         cmd_recv.close()  # NOTE: the child's ends; closed here so that a dead child reads as EOF
         evt_send.close()
         try:
-            while not self._evt.poll(1.0):
+            while not self._evt.poll(1.0):  # NOTE: loading
                 if not self._proc.is_alive():
-                    raise RuntimeError(
-                        f"the engine process exited with code {self._proc.exitcode} while loading")
+                    raise EOFError  # NOTE: as when its end of the pipe closes
             kind, arg = pickle.loads(self._evt.recv_bytes())
         except (EOFError, OSError):
             self._proc.join(5)
@@ -184,17 +196,13 @@ class EngineProcess:
         """As Engine.submit: RequestError naming the bad input, EngineUnavailable when full or
         not serving; the request's deltas go to `sink` from the receiver thread."""
         if not self.healthy:
-            why = f": {self.error!r}" if self.error is not None and self._dead else ""
-            raise EngineUnavailable(f"the engine is not serving{why}")
+            raise not_serving(self.error, self._dead)
         ids, _, _ = self._admission.check(request)
         sink = sink or RequestStream(request.request_id)
         wire = dataclasses.replace(request, prompt=None, prompt_ids=ids)  # NOTE: tokenized once
         rid = request.request_id
         with self._ids.lock:
-            self._ids.claim(rid)
-            if self._dead or self._stopped:
-                self._ids.release(rid)
-                raise EngineUnavailable("the engine is not serving")
+            self._ids.claim(rid, closed=self._dead or self._stopped)
             self._sinks[rid] = sink  # NOTE: before the child can answer
         try:
             # NOTE: outside the ids lock: a full pipe blocks this send until the child reads, and
@@ -240,9 +248,7 @@ class EngineProcess:
                 return None
 
     def _command(self, kind: str, arg) -> None:
-        data = pickle.dumps((kind, arg), protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            self._cmd.send_bytes(data)
+        _post(self._cmd, self._send_lock, kind, arg)
 
     def _command_quietly(self, kind: str, arg) -> None:
         try:
@@ -304,8 +310,7 @@ class EngineProcess:
                 self._ids.release(rid)
         for rid, sink in left:
             try:
-                sink(Delta(rid, [], "", finish_reason=FinishReason.ERROR, error=message,
-                           request_done=True))
+                sink(error_delta(rid, message))
             except Exception:  # noqa: BLE001
                 log.exception("sink of request %s failed", rid)
 
@@ -321,9 +326,7 @@ def child_main(config: EngineConfig, cmd, evt) -> None:
     send_lock = threading.Lock()
 
     def send(kind: str, arg) -> None:
-        data = pickle.dumps((kind, arg), protocol=pickle.HIGHEST_PROTOCOL)
-        with send_lock:
-            evt.send_bytes(data)
+        _post(evt, send_lock, kind, arg)
 
     engine = Engine(config)
     try:
@@ -389,8 +392,7 @@ def _apply(engine: Engine, kind: str, arg, outbox: queue.SimpleQueue, send) -> N
         try:
             engine.submit(arg, sink=outbox.put)
         except Exception as e:  # noqa: BLE001 - the parent checked it; the engine may have died
-            outbox.put(Delta(arg.request_id, [], "", finish_reason=FinishReason.ERROR, error=str(e),
-                             request_done=True))
+            outbox.put(error_delta(arg.request_id, str(e)))
     elif kind == "abort":
         engine.abort(arg)
     elif kind == "fail_all":
