@@ -25,7 +25,7 @@ from hsserve.models.decoder import Decoder
 from hsserve.request import HiddenStatesMode
 from hsserve.sampler import sample
 from hsserve.scheduler import Chunk
-from hsserve.transfer import download, upload
+from hsserve.transfer import download, fetch, upload
 
 
 @contextmanager
@@ -40,19 +40,23 @@ def flagged(event: threading.Event):
 
 
 class CapturedRows:
-    """One step's hidden rows on the host [rows, len(layers), hidden] (the model's dtype); a
-    chunk's rows are cut out (as float32) only when used: a step queued ahead takes every
-    MODE=last row, and only each sequence's final one is ever published."""
+    """One step's hidden rows [rows, len(layers), hidden] (the model's dtype); a chunk's rows are
+    cut out (as float32) only when used. On the host, or, for a step whose rows are all
+    MODE=last, left on the device (`stream` given): a step queued ahead takes every MODE=last
+    row, only each sequence's final one is ever published, and only that one is copied."""
 
-    def __init__(self, block: torch.Tensor, layers: list[int]):
+    def __init__(self, block: torch.Tensor, layers: list[int], stream: torch.cuda.Stream | None = None):
         self.block = block
         self.layers = layers  # in column order
         self._column = {k: i for i, k in enumerate(layers)}
+        self._stream = stream
 
     def take(self, first: int, count: int, wanted: tuple[int, ...]) -> torch.Tensor:
         """Rows first..first+count-1 of the layers `wanted` (in that order) ->
-        [count, len(wanted) * hidden] float32."""
+        [count, len(wanted) * hidden] float32 on the host. Called once the step completed."""
         rows = self.block[first : first + count]
+        if self._stream is not None:
+            rows = fetch(rows, self._stream)
         if list(wanted) != self.layers:
             rows = rows[:, [self._column[k] for k in wanted]]
         return rows.reshape(count, -1).float()
@@ -116,6 +120,9 @@ class Executor:
         # Python threads of the process (the Triton adapter's sender) do their work in that window
         self.device_wait = threading.Event()
         self._sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+        # NOTE: MODE=last rows kept on the device are copied out on this stream, past the steps
+        # queued after theirs
+        self._fetch_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def sampled(self) -> torch.Tensor:
@@ -205,8 +212,13 @@ class Executor:
             self.sampled[: len(sampling)].copy_(samples)
             tokens = download(samples)
         if captured is not None:
-            # NOTE: in the model's dtype (half the bytes of float32)
-            captured = CapturedRows(download(captured), layers)
+            if self._fetch_stream is not None and all(
+                    c.seq.hidden_mode != HiddenStatesMode.FULL for c, (_, n) in zip(chunks, slices) if n):
+                # NOTE: MODE=last only: the rows stay on the device (a copy: the graph's buffer is
+                # rewritten by the next step) and the one a sequence ends with is fetched then
+                captured = CapturedRows(captured.clone(), layers, self._fetch_stream)
+            else:  # NOTE: in the model's dtype (half the bytes of float32)
+                captured = CapturedRows(download(captured), layers)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

@@ -25,3 +25,10 @@ def download(x: torch.Tensor) -> torch.Tensor:
         return x
     out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     return out.copy_(x, non_blocking=True)
+
+
+def fetch(x: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+    """A host copy of `x` made now on `stream`, for data whose step has completed: the steps
+    queued after it on the engine's stream are not waited for."""
+    with torch.cuda.stream(stream):
+        return x.to("cpu")

@@ -7,7 +7,8 @@
   head, each keeps an online softmax (max, sum, weighted values) over its pages for every query
   head of the KV head's group at once (GQA: the group's heads share each K/V load), 64 keys (whole
   pages) per loop step (one page per step left the kernel waiting on memory at batch 64), and a
-  second kernel merges the splits. A sequence of length 0 (padding) yields zeros.
+  second kernel merges the splits; with one split (a batch that fills the GPU) the split kernel
+  writes the output itself and there is no merge. A sequence of length 0 (padding) yields zeros.
 
 The torch reference (paged_attention_ref.py) is the oracle in tests.
 """
@@ -57,9 +58,10 @@ def write_kv_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 
 @triton.jit(do_not_specialize=["window", "stride_tb"])  # NOTE: vary per step; no recompiles
 def _decode_split_kernel(
-    Q, KV, TABLES, LENS, ACC, STATS,
+    Q, KV, TABLES, LENS, ACC, STATS, OUT,
     scale, window,
     stride_qb, stride_qh,
+    stride_ob, stride_oh,
     stride_half, stride_block, stride_tok, stride_head,
     stride_tb,
     stride_ab, stride_ah, stride_as,
@@ -104,6 +106,11 @@ def _decode_split_kernel(
         k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0)
         m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
+    if NUM_SPLITS == 1:  # NOTE: the whole sequence in this program: normalize, no merge
+        o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=(g < GROUP)[:, None])
+        return
     out = ACC + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + d[None, :]
     tl.store(out, acc, mask=(g < GROUP)[:, None])
     stats = STATS + b * stride_sb + heads * stride_sh + split * stride_ss
@@ -172,9 +179,10 @@ def paged_decode_attention(
     if bsz == 0:
         return out
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
-        q, kv, block_tables, seq_lens, acc, stats,
+        q, kv, block_tables, seq_lens, acc, stats, out,
         scale, window or 0,
         q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2),
@@ -187,6 +195,8 @@ def paged_decode_attention(
         PAGES=max(1, _TOKENS_PER_STEP // block_size),
         IEEE=q.dtype == torch.float32,
     )
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(bsz, heads)](
         acc, stats, out,
         acc.stride(0), acc.stride(1), acc.stride(2),
