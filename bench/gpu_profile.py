@@ -21,15 +21,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_decode import NEW, engine_run, make_engine  # noqa: E402
 from shapes import random_model  # noqa: E402
 
+from hsserve import HiddenStatesMode  # noqa: E402
 
-def host_profile(engine, batch: int, top: int) -> None:
+
+def host_profile(engine, batch: int, top: int, mode: HiddenStatesMode) -> None:
     """cProfile of the engine's loop thread (installed as that thread's profiler) over one run."""
     prof = cProfile.Profile()
     step = engine._step
     engine._step = _profiled(step, prof)
-    r = engine_run(engine, batch, tag="host")
+    r = engine_run(engine, batch, mode=mode, tag="host")
     engine._step = step
-    print(f"\n== host, batch {batch}: step {r['step_ms']:.3f} ms (cProfile on: slower than real)")
+    print(f"\n== host, batch {batch}, MODE={mode.name}: step {r['step_ms']:.3f} ms (cProfile on: slower than real)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
@@ -49,6 +51,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-1b")
     ap.add_argument("--top", type=int, default=22)
     ap.add_argument("--host", action="store_true")
+    ap.add_argument("--modes", nargs="+", default=["none"], help="with --host: MODE none/last/full")
     args = ap.parse_args()
     folder = random_model(args.shape)
     engine = make_engine(folder, max(args.batches))
@@ -56,7 +59,8 @@ def main() -> None:
         for batch in args.batches:
             engine_run(engine, batch, tag="warm")
             if args.host:
-                host_profile(engine, batch, args.top)
+                for mode in args.modes:
+                    host_profile(engine, batch, args.top, HiddenStatesMode[mode.upper()])
                 continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 r = engine_run(engine, batch, tag="prof")

@@ -2,7 +2,7 @@
 # Everything a GPU session measures, in one device call (carry [".whl/slim"], made by
 # bench/device_bundle.sh): the GPU tests, the tritonserver stream benchmark with the stub sampled
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
-#   bash bench/gpu_session.sh [tests|triton|triton_wait|decode|decode_sync|attn|l2|profile ...]   (default: the first three)
+#   bash bench/gpu_session.sh [tests|triton|triton_wait|decode|decode_sync|attn|l2|profile|host|decode1b ...]   (default: the first three)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -34,6 +34,10 @@ for part in $parts; do
               --repeats 3 --no-hf --async-scheduling off --out "$OUT/h200_decode_sync.json" 2>&1 | grep "^{" ;;
     profile) timeout 200 python3 bench/gpu_profile.py --batches 1 64 --top 16 2>&1 | grep -v "^\[W"
              timeout 150 python3 bench/gpu_profile.py --shape llama-8b --batches 1 --top 12 2>&1 | grep -v "^\[W" ;;
+    host) timeout 200 python3 bench/gpu_profile.py --batches 64 --host --modes none last --top 30 2>&1 \
+            | grep -v "^\[W" | cut -c1-150 ;;
+    decode1b) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \
+              --repeats 4 --no-hf --out "$OUT/h200_decode_1b.json" 2>&1 | grep "^{\|Error" ;;
     none) ;;  # NOTE: the set-up only
     *) echo "gpu_session.sh: unknown part $part" >&2 ;;
   esac

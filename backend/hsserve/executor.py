@@ -43,7 +43,8 @@ class CapturedRows:
     """One step's hidden rows [rows, len(layers), hidden] (the model's dtype); a chunk's rows are
     cut out (as float32) only when used. On the host, or, for a step whose rows are all
     MODE=last, left on the device (`stream` given): a step queued ahead takes every MODE=last
-    row, only each sequence's final one is ever published, and only that one is copied."""
+    row, only each sequence's final one is ever published, and only a step that ends one is
+    copied."""
 
     def __init__(self, block: torch.Tensor, layers: list[int], stream: torch.cuda.Stream | None = None):
         self.block = block
@@ -54,9 +55,9 @@ class CapturedRows:
     def take(self, first: int, count: int, wanted: tuple[int, ...]) -> torch.Tensor:
         """Rows first..first+count-1 of the layers `wanted` (in that order) ->
         [count, len(wanted) * hidden] float32 on the host. Called once the step completed."""
+        if self._stream is not None:  # NOTE: the block comes to the host once, when first used
+            self.block, self._stream = fetch(self.block, self._stream), None
         rows = self.block[first : first + count]
-        if self._stream is not None:
-            rows = fetch(rows, self._stream)
         if list(wanted) != self.layers:
             rows = rows[:, [self._column[k] for k in wanted]]
         return rows.reshape(count, -1).float()
