@@ -69,8 +69,8 @@ def _close(out, ref, dtype, fp32_tol=1e-6):
 
 
 def check_elementwise(device, dtype, rows=5, hidden=576, inter=1536, seed=0):
-    from hsserve.kernels.elementwise import (add_rmsnorm_ref, add_rmsnorm_triton, rotary_,
-                                             rotary_ref, silu_mul_ref, silu_mul_triton)
+    from hsserve.kernels.elementwise import (add_rmsnorm_ref, add_rmsnorm_triton, rms_inverse_ref,
+                                             rotary_, rotary_ref, silu_mul_ref, silu_mul_triton)
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
@@ -83,6 +83,11 @@ def check_elementwise(device, dtype, rows=5, hidden=576, inter=1536, seed=0):
         _close(total, ref_total, dtype)
     gu = rnd(rows, 2 * inter)
     _close(silu_mul_triton(gu), silu_mul_ref(gu.double()), dtype)
+    stream = 7 * rnd(rows, hidden)  # NOTE: the rows whose 1 / rms scales gate and up (folded norm)
+    want = silu_mul_ref(gu.double(), stream.double(), 1e-5)
+    _close(silu_mul_triton(gu, stream, 1e-5), want, dtype)
+    inv = rms_inverse_ref(stream.double(), 1e-5)
+    _close(want, silu_mul_ref(gu.double() * inv), torch.float64)
     qkv = rnd(rows, 12, 64)
     pos = torch.tensor([0, 1, 17, 300, 4095][:rows], device=device).float()
     inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, device=device).float() / 64))
@@ -95,29 +100,34 @@ def check_elementwise(device, dtype, rows=5, hidden=576, inter=1536, seed=0):
     assert torch.equal(qkv[:, 8:], rest)
 
 
-def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0):
-    from hsserve.kernels.elementwise import rotary_ref, rotary_store_
+def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0, rms=False):
+    """rms: q, k, v scaled first by the 1 / rms of a stream row per token (folded norm)."""
+    from hsserve.kernels.elementwise import rms_inverse_ref, rotary_ref, rotary_store_
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     t = 5
     qkv = torch.randn(t, heads + 2 * kv_heads, head_dim, generator=g).to(device, dtype)
     kv = torch.randn(2, 4, 16, kv_heads, head_dim, generator=g).to(device, dtype)
+    stream = (5 * torch.randn(t, 300, generator=g)).to(device, dtype) if rms else None
     slots = torch.tensor([0, 17, -1, 63, 40], device=device)
     pos = torch.tensor([0, 3, 9, 700, 5000], device=device).float()
     inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     freqs = pos[:, None] * inv[None]
     cos, sin = freqs.cos(), freqs.sin()
-    rotated = rotary_ref(qkv[:, : heads + kv_heads], cos, sin)
-    want_kv = kv.clone()
+    scaled = qkv.double()
+    if rms:
+        scaled = scaled * rms_inverse_ref(stream.double(), 1e-6)[:, :, None]
+    rotated = rotary_ref(scaled[:, : heads + kv_heads], cos.double(), sin.double())
+    want_kv = kv.double()
     keep = slots >= 0
-    write_kv(want_kv, rotated[keep, heads:], qkv[keep, heads + kv_heads :], slots[keep])
-    rotary_store_(qkv, heads, kv_heads, cos, sin, kv, slots)
-    _close(qkv[:, :heads], rotated[:, :heads].double(), dtype)
-    _close(kv, want_kv.double(), dtype)
+    write_kv(want_kv, rotated[keep, heads:], scaled[keep, heads + kv_heads :], slots[keep])
+    rotary_store_(qkv, heads, kv_heads, cos, sin, kv, slots, stream, 1e-6)
+    _close(qkv[:, :heads], rotated[:, :heads], dtype)
+    _close(kv, want_kv, dtype)
     untouched = torch.ones(2 * 4 * 16, dtype=torch.bool)
     untouched[slots[keep].cpu()] = False
     untouched[(slots[keep] + 64).cpu()] = False
-    assert torch.equal(kv.view(-1, kv_heads, head_dim)[untouched.to(device)],
+    assert torch.equal(kv.double().view(-1, kv_heads, head_dim)[untouched.to(device)],
                        want_kv.view(-1, kv_heads, head_dim)[untouched.to(device)])
 
 

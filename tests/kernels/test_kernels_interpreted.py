@@ -38,10 +38,11 @@ def test_elementwise_kernels_match_reference():
     check_elementwise("cpu", torch.float32)
 
 
-def test_rotary_store_matches_reference():
+@pytest.mark.parametrize("rms", [False, True])
+def test_rotary_store_matches_reference(rms):
     from kernel_cases import check_rotary_store
 
-    check_rotary_store("cpu", torch.float32)
+    check_rotary_store("cpu", torch.float32, rms=rms)
 
 
 

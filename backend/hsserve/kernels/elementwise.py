@@ -4,6 +4,10 @@
 - rotary_: rotate q and k heads in place from float32 cos/sin of each token's position.
 - silu_mul: silu(gate) * up from the fused gate_up output.
 
+With the norms folded into the GEMMs (Decoder.fold_norms) a GEMM reads the residual stream itself
+and its output rows still need the norm's 1 / rms(row): rotary_store_ and silu_mul take the
+stream (`rms_of`) and apply that scale to what they read, so no norm kernel runs between layers.
+
 Every kernel computes in float32 and rounds once to the tensor's dtype; the references are the
 formulas the CPU path runs (and the test oracle).
 """
@@ -14,6 +18,30 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+# ---- 1 / rms of a row -------------------------------------------------------------------------------
+
+
+def rms_inverse_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """[rows, 1] float32 (float64 for float64 x): 1 / sqrt(mean(x^2) + eps) of each row, as
+    RMSNorm computes it."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@triton.jit
+def _rms_inverse(S, t, stride_s, n, eps, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(S + t * stride_s + cols, mask=cols < n, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+
+
+def _rms_args(rms_of: torch.Tensor | None, like: torch.Tensor):
+    """(tensor, row stride, width, BLOCK) of the rows to scale by, or placeholders."""
+    if rms_of is None:
+        return like, 0, 1, 1
+    return rms_of, rms_of.stride(0), rms_of.shape[-1], triton.next_power_of_2(rms_of.shape[-1])
+
 
 # ---- RMSNorm with the residual add --------------------------------------------------------------
 
@@ -72,10 +100,10 @@ def add_rmsnorm_triton(x, residual, weight, eps):
 
 
 @triton.jit
-def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c,
+def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c, scale,
                   COUNT: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
-    """Heads h0..h0+COUNT-1 of token t rotated (float32 math, one rounding): two [PAD, HALF]
-    halves and their row mask."""
+    """Heads h0..h0+COUNT-1 of token t times `scale`, rotated (float32 math, one rounding): two
+    [PAD, HALF] halves and their row mask."""
     j = tl.arange(0, PAD)
     i = tl.arange(0, HALF)
     rows = (j < COUNT)[:, None]
@@ -84,7 +112,7 @@ def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c,
     x2 = tl.load(src + HALF, mask=rows, other=0.0)
     c = tl.load(COS + t * stride_c + i)[None, :]
     s = tl.load(SIN + t * stride_c + i)[None, :]
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    a, b = x1.to(tl.float32) * scale, x2.to(tl.float32) * scale
     return (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype), rows, src
 
 
@@ -92,7 +120,7 @@ def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c,
 def _rotary_kernel(X, COS, SIN, stride_t, stride_h, stride_c,
                    HEADS: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0)
-    r1, r2, rows, src = _rotate_heads(X, COS, SIN, t, 0, stride_t, stride_h, stride_c,
+    r1, r2, rows, src = _rotate_heads(X, COS, SIN, t, 0, stride_t, stride_h, stride_c, 1.0,
                                       HEADS, PAD, HALF)
     tl.store(src, r1, mask=rows)
     tl.store(src + HALF, r2, mask=rows)
@@ -108,15 +136,19 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 @triton.jit
-def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, stride_t, stride_h, stride_c,
-                         stride_half, stride_slot, stride_head,
+def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, S, stride_t, stride_h, stride_c,
+                         stride_half, stride_slot, stride_head, stride_s, n_s, eps,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                         HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr):
+                         HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HAS_RMS: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
     # NOTE: one program per token, all its heads as one tile (a program per head left most
     # threads idle: 4.5 us per layer at 64 tokens on the H200)
     t = tl.program_id(0)
     i = tl.arange(0, HALF)
-    q1, q2, rows, src = _rotate_heads(QKV, COS, SIN, t, 0, stride_t, stride_h, stride_c,
+    scale = 1.0
+    if HAS_RMS:
+        scale = _rms_inverse(S, t, stride_s, n_s, eps, BLOCK_S)
+    q1, q2, rows, src = _rotate_heads(QKV, COS, SIN, t, 0, stride_t, stride_h, stride_c, scale,
                                       NUM_HEADS, HEADS_PAD, HALF)
     tl.store(src, q1, mask=rows)
     tl.store(src + HALF, q2, mask=rows)
@@ -124,31 +156,37 @@ def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, stride_t, stride_h, stride_c,
     if slot >= 0:
         # NOTE: new names: a variable assigned in a branch keeps its type (shape) in Triton
         k1, k2, kv_rows, k_src = _rotate_heads(QKV, COS, SIN, t, NUM_HEADS, stride_t, stride_h,
-                                               stride_c, NUM_KV_HEADS, KV_PAD, HALF)
+                                               stride_c, scale, NUM_KV_HEADS, KV_PAD, HALF)
         j = tl.arange(0, KV_PAD)
         dst = KV + slot * stride_slot + j[:, None] * stride_head + i[None, :]
         tl.store(dst, k1, mask=kv_rows)
         tl.store(dst + HALF, k2, mask=kv_rows)
         v = k_src + NUM_KV_HEADS * stride_h
-        tl.store(dst + stride_half, tl.load(v, mask=kv_rows), mask=kv_rows)
-        tl.store(dst + stride_half + HALF, tl.load(v + HALF, mask=kv_rows), mask=kv_rows)
+        v1 = (tl.load(v, mask=kv_rows).to(tl.float32) * scale).to(k1.dtype)
+        v2 = (tl.load(v + HALF, mask=kv_rows).to(tl.float32) * scale).to(k1.dtype)
+        tl.store(dst + stride_half, v1, mask=kv_rows)
+        tl.store(dst + stride_half + HALF, v2, mask=kv_rows)
 
 
 def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
-                  sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+                  sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                  rms_of: torch.Tensor | None = None, eps: float = 0.0) -> None:
     """One kernel for a fused qkv [tokens, heads + 2 * kv_heads, head_dim]: rotates the q heads in
     place and writes the rotated k heads and the v heads into one layer's cache
     [2, blocks, block_size, kv_heads, head_dim] at `slots` (negative: not written). The k heads
-    of qkv are left unrotated (attention reads k from the cache)."""
+    of qkv are left unrotated (attention reads k from the cache). With `rms_of` [tokens, hidden],
+    q, k and v are first scaled by each token's 1 / rms of that row (rms_inverse_ref)."""
     t, _, d = qkv.shape
     flat = kv.view(2, -1, num_kv_heads, d)
+    s, stride_s, n_s, block_s = _rms_args(rms_of, qkv)
     if t:
         _rotary_store_kernel[(t,)](
-            qkv, cos, sin, flat, slots, qkv.stride(0), qkv.stride(1), cos.stride(0),
-            flat.stride(0), flat.stride(1), flat.stride(2),
+            qkv, cos, sin, flat, slots, s, qkv.stride(0), qkv.stride(1), cos.stride(0),
+            flat.stride(0), flat.stride(1), flat.stride(2), stride_s, n_s, eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=d // 2,
             HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_PAD=triton.next_power_of_2(num_kv_heads),
+            HAS_RMS=rms_of is not None, BLOCK_S=block_s,
         )
 
 
@@ -163,33 +201,48 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---- SiLU and multiply ----------------------------------------------------------------------------
 
 
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_ref(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """silu(gate) * up; with `rms_of`, of gate and up scaled by its rows' 1 / rms (float32 math,
+    one rounding)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if rms_of is None:
+        return F.silu(gate) * up
+    inv = rms_inverse_ref(rms_of, eps)
+    return (F.silu(gate * inv) * (up * inv)).to(gate_up.dtype)  # NOTE: promoted to inv's dtype
 
 
 @triton.jit
-def _silu_mul_kernel(X, OUT, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, OUT, S, stride_x, stride_o, stride_s, n, n_s, eps, BLOCK: tl.constexpr,
+                     HAS_RMS: tl.constexpr, BLOCK_S: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    g = tl.load(X + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(X + t * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = 1.0
+    if HAS_RMS:
+        scale = _rms_inverse(S, t, stride_s, n_s, eps, BLOCK_S)
+    g = tl.load(X + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    u = tl.load(X + t * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32) * scale
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(OUT + t * stride_o + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """The Triton kernel on CUDA, the reference elsewhere."""
-    return silu_mul_triton(gate_up) if gate_up.is_cuda else silu_mul_ref(gate_up)
+    if gate_up.is_cuda:
+        return silu_mul_triton(gate_up, rms_of, eps)
+    return silu_mul_ref(gate_up, rms_of, eps)
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_triton(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None,
+                    eps: float = 0.0) -> torch.Tensor:
     t, two_n = gate_up.shape
     n = two_n // 2
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
+    s, stride_s, n_s, block_s = _rms_args(rms_of, gate_up)
     if t:
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0),
-                                                     n, BLOCK=block)
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](
+            gate_up, out, s, gate_up.stride(0), out.stride(0), stride_s, n, n_s, eps,
+            BLOCK=block, HAS_RMS=rms_of is not None, BLOCK_S=block_s)
     return out

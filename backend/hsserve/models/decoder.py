@@ -2,6 +2,11 @@
 
 Read top to bottom: embed -> layers (attention over the paged cache, MLP) -> final norm. Weights
 are plain parameters created uninitialized and filled by the loader; q/k/v and gate/up are fused.
+
+On CUDA the loader folds each layer's two norm weights into the GEMMs that read the normed rows
+(Decoder.fold_norms): the layers then pass the residual stream itself, qkv and gate_up read it,
+the norm's per-row 1 / rms is applied by the kernel that consumes their output, and o_proj and
+down add into the stream inside their GEMM: two kernels fewer per layer.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from torch import nn
 from hsserve.attention_batch import AttentionBatch
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, store_kv
-from hsserve.kernels.elementwise import add_rmsnorm, rotary_, rotary_store_, silu_mul
+from hsserve.kernels.elementwise import (add_rmsnorm, rms_inverse_ref, rotary_, rotary_store_,
+                                         silu_mul)
 from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
 from hsserve.models.spec import ModelSpec
@@ -69,14 +75,20 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.window = spec.sliding_window
 
-    def forward(self, x, rope: Rotary, batch: AttentionBatch, kv):
+    def forward(self, x, rope: Rotary, batch: AttentionBatch, kv, folded_eps: float | None = None):
+        """x: the normed rows -> attention output; with folded_eps (the norm's weight folded into
+        qkv), x is the residual stream itself -> the stream plus the attention output."""
         qkv = self.qkv(x).view(len(x), -1, self.head_dim)
         h, kvh = self.num_heads, self.num_kv_heads
+        stream = x if folded_eps is not None else None
         if rope.fused and batch.kernels and self.q_norm is None:
             # NOTE: one kernel rotates q and k and writes k and v into the cache
-            rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping)
+            rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping, stream,
+                          folded_eps or 0.0)
             o = attend(qkv[:, :h], kv, batch, self.scale, self.window)
-            return self.o_proj(o.reshape(len(x), -1))
+            return self.o_proj(o.reshape(len(x), -1), add=stream)
+        if stream is not None:
+            qkv = (qkv.float() * rms_inverse_ref(stream, folded_eps)[:, :, None]).to(qkv.dtype)
         if self.q_norm is not None:
             q, k = self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])
             q, k = rope.apply(q), rope.apply(k)
@@ -85,7 +97,7 @@ class Attention(nn.Module):
         v = qkv[:, h + kvh :]
         store_kv(kv, k, v, batch)
         o = attend(q, kv, batch, self.scale, self.window)
-        return self.o_proj(o.reshape(len(x), -1))
+        return self.o_proj(o.reshape(len(x), -1), add=stream)
 
 
 class MLP(nn.Module):
@@ -94,8 +106,11 @@ class MLP(nn.Module):
         self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size)
         self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
-    def forward(self, x):
-        return self.down(silu_mul(self.gate_up(x)))
+    def forward(self, x, folded_eps: float | None = None):
+        """As Attention.forward: with folded_eps, x is the stream and the result stream + MLP."""
+        if folded_eps is None:
+            return self.down(silu_mul(self.gate_up(x)))
+        return self.down(silu_mul(self.gate_up(x), x, folded_eps), add=x)
 
 
 class DecoderLayer(nn.Module):
@@ -117,6 +132,11 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attn_norm(self.attn(h, rope, batch, kv), residual)
         return self.mlp(h), residual
 
+    def forward_folded(self, stream, rope, batch, kv):
+        """The same layer with its norms folded (Decoder.fold_norms): stream in, stream out."""
+        stream = self.attn(stream, rope, batch, kv, folded_eps=self.input_norm.eps)
+        return self.mlp(stream, folded_eps=self.post_attn_norm.eps)
+
 
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec):
@@ -131,6 +151,24 @@ class Decoder(nn.Module):
         self.register_buffer(
             "inv_freq", inverse_frequencies(spec.head_dim, spec.rope), persistent=False
         )
+        self.folded = False
+
+    @torch.no_grad()
+    def fold_norms(self) -> bool:
+        """Multiply each layer's input / post-attention norm weights into the columns of qkv /
+        gate_up (once, after loading); False, nothing done, where the layers cannot run folded:
+        q/k norm or a qkv bias (the scale must come before them), or float16 (the unnormalized
+        stream through a GEMM could overflow it)."""
+        spec, w = self.spec, self.layers[0].attn.qkv.weight
+        if spec.qk_norm or spec.qkv_bias or w is None or w.dtype == torch.float16:
+            return False
+        for layer in self.layers:
+            for norm, linear in ((layer.input_norm, layer.attn.qkv),
+                                 (layer.post_attn_norm, layer.mlp.gate_up)):
+                w = linear.weight
+                w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
+        self.folded = True
+        return True
 
     def forward(
         self,
@@ -151,12 +189,19 @@ class Decoder(nn.Module):
         if capture is not None:
             capture.take(0, x)
         last = len(self.layers)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, batch, kv_cache[i])
-            if capture is not None and i + 1 < last and capture.wants(i + 1):
-                capture.take(i + 1, residual + x)  # NOTE: the layer's output, as the next norm sees it
-        x, _ = self.norm(x, residual)
+        if self.folded:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_folded(x, rope, batch, kv_cache[i])
+                if capture is not None and i + 1 < last and capture.wants(i + 1):
+                    capture.take(i + 1, x)  # NOTE: the stream is the layer's output
+            x = self.norm(x)
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, rope, batch, kv_cache[i])
+                if capture is not None and i + 1 < last and capture.wants(i + 1):
+                    capture.take(i + 1, residual + x)  # NOTE: the layer's output, as the next norm sees it
+            x, _ = self.norm(x, residual)
         if capture is not None:
             capture.take(last, x)
         return x

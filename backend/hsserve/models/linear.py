@@ -26,10 +26,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b) (+ add: on CUDA added by the GEMM itself, no separate kernel)."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return y if add is None else y.add_(add)
+        if add is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None and x.dim() == 2:
+            return torch.addmm(add, x, self.weight.t())
+        return F.linear(x, self.weight, self.bias).add_(add)
 
     def pack(self, weight: torch.Tensor | None = None) -> None:
         """Replace the dense weight by a oneDNN-packed copy (CPU, float32)."""

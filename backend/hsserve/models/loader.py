@@ -110,6 +110,14 @@ def load_model(folder: str, dtype_name: str, device: torch.device, load_format: 
         random_weights(model)
     else:
         load_weights(model, folder)
+    if fold_norms_on(device) and model.fold_norms():
+        log.info("norm weights folded into qkv / gate_up")
     if pack_for_cpu(model):
         log.info("CPU linears packed for oneDNN")
     return model
+
+
+def fold_norms_on(device: torch.device) -> bool:
+    """Where the layers run with their norms folded (Decoder.fold_norms): on CUDA, where it saves
+    two kernel launches per layer; the CPU keeps the plain layers."""
+    return device.type == "cuda"
