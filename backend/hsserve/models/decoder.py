@@ -6,7 +6,7 @@ are plain parameters created uninitialized and filled by the loader; q/k/v and g
 On CUDA the loader folds each layer's two norm weights into the GEMMs that read the normed rows
 (Decoder.fold_norms): the layers then pass the residual stream itself, qkv and gate_up read it,
 the norm's per-row 1 / rms is applied by the kernel that consumes their output, and o_proj and
-down add into the stream inside their GEMM: two kernels fewer per layer.
+down add into the stream in place inside their GEMM: two kernels fewer per layer.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: Rotary, batch: AttentionBatch, kv, folded_eps: float | None = None):
         """x: the normed rows -> attention output; with folded_eps (the norm's weight folded into
-        qkv), x is the residual stream itself -> the stream plus the attention output."""
+        qkv), x is the residual stream itself, and the attention output is added into it (in
+        place: nothing reads the stream's old value after this layer's attention)."""
         qkv = self.qkv(x).view(len(x), -1, self.head_dim)
         h, kvh = self.num_heads, self.num_kv_heads
         stream = x if folded_eps is not None else None
@@ -86,7 +87,7 @@ class Attention(nn.Module):
             rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping, stream,
                           folded_eps or 0.0)
             o = attend(qkv[:, :h], kv, batch, self.scale, self.window)
-            return self.o_proj(o.reshape(len(x), -1), add=stream)
+            return self.o_proj(o.reshape(len(x), -1), into=stream)
         if stream is not None:
             qkv = (qkv.float() * rms_inverse_ref(stream, folded_eps)[:, :, None]).to(qkv.dtype)
         if self.q_norm is not None:
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         v = qkv[:, h + kvh :]
         store_kv(kv, k, v, batch)
         o = attend(q, kv, batch, self.scale, self.window)
-        return self.o_proj(o.reshape(len(x), -1), add=stream)
+        return self.o_proj(o.reshape(len(x), -1), into=stream)
 
 
 class MLP(nn.Module):
@@ -107,10 +108,10 @@ class MLP(nn.Module):
         self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x, folded_eps: float | None = None):
-        """As Attention.forward: with folded_eps, x is the stream and the result stream + MLP."""
+        """As Attention.forward: with folded_eps, x is the stream and the MLP output is added into it."""
         if folded_eps is None:
             return self.down(silu_mul(self.gate_up(x)))
-        return self.down(silu_mul(self.gate_up(x), x, folded_eps), add=x)
+        return self.down(silu_mul(self.gate_up(x), x, folded_eps), into=x)
 
 
 class DecoderLayer(nn.Module):

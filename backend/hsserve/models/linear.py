@@ -26,16 +26,17 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ b) (+ add: on CUDA added by the GEMM itself, no separate kernel)."""
+    def forward(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b); with `into`, added to it in place and returned (on CUDA by the GEMM
+        itself: an out-of-place add would cost a copy kernel)."""
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return y if add is None else y.add_(add)
-        if add is None:
+            return y if into is None else into.add_(y)
+        if into is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None and x.dim() == 2:
-            return torch.addmm(add, x, self.weight.t())
-        return F.linear(x, self.weight, self.bias).add_(add)
+            return into.addmm_(x, self.weight.t())
+        return into.add_(F.linear(x, self.weight, self.bias))
 
     def pack(self, weight: torch.Tensor | None = None) -> None:
         """Replace the dense weight by a oneDNN-packed copy (CPU, float32)."""
