@@ -201,9 +201,9 @@ class Executor:
         sampled = [c.samples for c in chunks]
         g = self.graphs
         if g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks):
-            logits, captured, layers, slices = self._forward_graph(chunks, sources, sampled)
+            logits, captured, layers, slices, last_only = self._forward_graph(chunks, sources, sampled)
         else:
-            logits, captured, layers, slices = self._forward_eager(chunks, sources, sampled)
+            logits, captured, layers, slices, last_only = self._forward_eager(chunks, sources, sampled)
         tokens = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
@@ -213,8 +213,7 @@ class Executor:
             self.sampled[: len(sampling)].copy_(samples)
             tokens = download(samples)
         if captured is not None:
-            if self._fetch_stream is not None and all(
-                    c.seq.hidden_mode != HiddenStatesMode.FULL for c, (_, n) in zip(chunks, slices) if n):
+            if self._fetch_stream is not None and last_only:
                 # NOTE: MODE=last only: the rows stay on the device (a copy: the graph's buffer is
                 # rewritten by the next step) and the one a sequence ends with is fetched then
                 captured = CapturedRows(captured.clone(), layers, self._fetch_stream)
@@ -272,15 +271,27 @@ class Executor:
         hidden = self.model(ids_t, torch.tensor(positions, device=dev), batch, self.kv_cache, capture)
         logits = self.model.logits(hidden[logit_index]) if logit_index is not None else None
         captured = capture.out if capture is not None else None
-        return logits, captured, layers, capture_slices
+        last_only = all(c.seq.hidden_mode != HiddenStatesMode.FULL
+                        for c, (_, n) in zip(chunks, capture_slices) if n)
+        return logits, captured, layers, capture_slices, last_only
 
     def _forward_graph(self, chunks: list[Chunk], sources: list[int], sampled: list[bool]):
         """A decode-only step through the captured graphs."""
         g, dev = self.graphs, self.device
-        wanted = [rows_to_capture(c) for c in chunks]
         sampling = [i for i, f in enumerate(sampled) if f]
         pick = upload(sampling, dev) if 0 < len(sampling) < len(chunks) else None
-        keep = [i for i, w in enumerate(wanted) if len(w)]  # NOTE: only these rows leave the GPU
+        # NOTE: one pass (this runs every step for every row): a row leaves the GPU when its
+        # chunk's one token is to be captured; kept rows are in chunk order
+        keep, slices, full = [], [], False
+        none = HiddenStatesMode.NONE
+        for i, c in enumerate(chunks):
+            mode = c.seq.hidden_mode
+            if mode is not none and rows_to_capture(c):
+                slices.append((len(keep), 1))
+                keep.append(i)
+                full = full or mode is HiddenStatesMode.FULL
+            else:
+                slices.append((len(keep), 0))
         keep_index = upload(keep, dev) if 0 < len(keep) < len(chunks) else None
         # NOTE: the layers asked for, in the graph's (ascending) column order
         wanted_layers = sorted(set().union(*{chunks[i].seq.hidden_layers for i in keep}))
@@ -307,8 +318,4 @@ class Executor:
             if cols is not None:  # NOTE: only the layers asked for leave the GPU
                 captured = captured[:, cols]
                 layers = wanted_layers
-        slices, first = [], 0  # NOTE: kept rows are in chunk order, one per kept chunk
-        for w in wanted:
-            slices.append((first, len(w)))
-            first += len(w)
-        return logits, captured, layers, slices
+        return logits, captured, layers, slices, not full
