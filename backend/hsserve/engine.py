@@ -345,8 +345,11 @@ class Engine:
     def _plan_ahead(self, prev: Launched) -> list[Chunk] | None:
         """The decode step after prev for the sequences prev sampled, reading prev's samples on
         the device; None when the scheduler must decide first (read prev, then schedule)."""
-        if not all(prev.sampled):
-            return None  # NOTE: a prompt in progress, or a row-only step
+        if not all(f or (c.ahead and c.last_input) for c, f in zip(prev.chunks, prev.sampled)):
+            return None  # NOTE: a prompt in progress, or a step that samples nothing
+        # NOTE: a row-only chunk (the row of a sequence's last token, MODE last/full) ends its
+        # sequence: the others go on ahead (stopping here left the GPU idle for a step's host
+        # work each time a group of sequences ended: +17% a step for MODE=last at batch 64)
         if self._admit_now():
             return None  # NOTE: prompts to admit
         chunks, grow = [], []

@@ -10,3 +10,30 @@ from async_cases import check_async_equals_sync
 
 def test_async_equals_sync(tiny_model_dir):
     check_async_equals_sync(tiny_model_dir("llama"), "cpu", vocab=40000, tol=1e-4)
+
+
+def test_rows_of_last_tokens_do_not_stop_steps_queued_ahead(tiny_model_dir):
+    """Sequences ending at different steps: the step that only computes an ended sequence's last
+    row (MODE last / full) does not keep the others from being queued ahead, so a batch takes as
+    many steps that wait for the previous one (not queued ahead) as it does in MODE=none."""
+    from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams
+
+    engine = Engine(EngineConfig(model=tiny_model_dir("llama"), device="cpu",
+                                 async_scheduling="on")).start()
+    waited = {}
+    try:
+        for mode in HiddenStatesMode:
+            steps, ahead = engine.num_steps, engine.num_ahead_steps
+            streams = [engine.submit(GenerationRequest(
+                f"{mode.label}{i}", prompt_ids=[100 + i] * (5 + i),
+                sampling=SamplingParams(max_tokens=4 + 4 * i, temperature=0.0, ignore_eos=True),
+                hidden_mode=mode)) for i in range(4)]
+            results = [s.result(timeout=120) for s in streams]
+            assert [len(r.token_ids) for r in results] == [4, 8, 12, 16]
+            if mode == HiddenStatesMode.LAST:
+                assert all(r.hidden.shape[0] == 1 for r in results)
+            waited[mode] = (engine.num_steps - steps) - (engine.num_ahead_steps - ahead)
+    finally:
+        engine.shutdown()
+    assert waited[HiddenStatesMode.LAST] == waited[HiddenStatesMode.NONE], waited
+    assert waited[HiddenStatesMode.FULL] == waited[HiddenStatesMode.NONE], waited
