@@ -31,7 +31,8 @@ def host_profile(engine, batch: int, top: int, mode: HiddenStatesMode) -> None:
     engine._step = _profiled(step, prof)
     r = engine_run(engine, batch, mode=mode, tag="host")
     engine._step = step
-    print(f"\n== host, batch {batch}, MODE={mode.name}: step {r['step_ms']:.3f} ms (cProfile on: slower than real)")
+    print(f"\n== host, batch {batch}, MODE={mode.name}: step {r['step_ms']:.3f} ms "
+          "(cProfile on: slower than real)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 

@@ -46,7 +46,8 @@ class CapturedRows:
     row, only each sequence's final one is ever published, and only a step that ends one is
     copied."""
 
-    def __init__(self, block: torch.Tensor, layers: list[int], stream: torch.cuda.Stream | None = None):
+    def __init__(self, block: torch.Tensor, layers: list[int],
+                 stream: torch.cuda.Stream | None = None):
         self.block = block
         self.layers = layers  # in column order
         self._column = {k: i for i, k in enumerate(layers)}
@@ -200,10 +201,9 @@ class Executor:
         sources = sources_of(chunks, prev)
         sampled = [c.samples for c in chunks]
         g = self.graphs
-        if g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks):
-            logits, captured, layers, slices, last_only = self._forward_graph(chunks, sources, sampled)
-        else:
-            logits, captured, layers, slices, last_only = self._forward_eager(chunks, sources, sampled)
+        graph = g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks)
+        forward = self._forward_graph if graph else self._forward_eager
+        logits, captured, layers, slices, last_only = forward(chunks, sources, sampled)
         tokens = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]

@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_config
 from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams
 from hsserve.models import loader
 from oracle import hf_greedy, hf_hidden, max_rel_row_diff
 
 
-def model_with_norm_weights(family: str, folder: str):
+def model_with_norm_weights(source: str, folder: str):
+    """The tiny model in `source` with random norm weights, saved to `folder`."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -27,8 +27,8 @@ def model_with_norm_weights(family: str, folder: str):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_folded_layers_match_transformers(family, tmp_path, monkeypatch):
-    hf = model_with_norm_weights(family, str(tmp_path))
+def test_folded_layers_match_transformers(family, tiny_model_dir, tmp_path, monkeypatch):
+    hf = model_with_norm_weights(tiny_model_dir(family), str(tmp_path))
     monkeypatch.setattr(loader, "fold_norms_on", lambda device: True)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", block_size=16)).start()
     g = torch.Generator().manual_seed(5)
@@ -52,9 +52,9 @@ def test_folded_layers_match_transformers(family, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("family, folds", [("llama", True), ("qwen2", False), ("qwen3", False)])
-def test_only_layers_without_qkv_bias_or_qk_norm_fold(family, folds, tmp_path):
+def test_only_layers_without_qkv_bias_or_qk_norm_fold(family, folds, tiny_model_dir, tmp_path):
     from hsserve.models.loader import load_model
 
-    model_with_norm_weights(family, str(tmp_path))
+    model_with_norm_weights(tiny_model_dir(family), str(tmp_path))
     model = load_model(str(tmp_path), "bfloat16", torch.device("cpu"))  # NOTE: not packed
     assert model.fold_norms() is folds and model.folded is folds

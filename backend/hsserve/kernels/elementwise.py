@@ -227,7 +227,8 @@ def _silu_mul_kernel(X, OUT, S, stride_x, stride_o, stride_s, n, n_s, eps, BLOCK
     tl.store(OUT + t * stride_o + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None,
+             eps: float = 0.0) -> torch.Tensor:
     """The Triton kernel on CUDA, the reference elsewhere."""
     if gate_up.is_cuda:
         return silu_mul_triton(gate_up, rms_of, eps)

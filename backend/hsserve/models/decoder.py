@@ -108,7 +108,8 @@ class MLP(nn.Module):
         self.down = Linear(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x, folded_eps: float | None = None):
-        """As Attention.forward: with folded_eps, x is the stream and the MLP output is added into it."""
+        """As Attention.forward: with folded_eps, x is the stream and the MLP output is added
+        into it."""
         if folded_eps is None:
             return self.down(silu_mul(self.gate_up(x)))
         return self.down(silu_mul(self.gate_up(x), x, folded_eps), into=x)
