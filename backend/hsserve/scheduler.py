@@ -184,6 +184,7 @@ class Scheduler:
         self._forget_computing(seq)
         seq.block_table = []
         seq.num_computed = seq.num_registered = 0
+        seq.last_row = None  # NOTE: the recompute takes it again; a step's rows may sit on the GPU
         self.running.remove(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

@@ -58,3 +58,6 @@ def test_only_layers_without_qkv_bias_or_qk_norm_fold(family, folds, tiny_model_
     model_with_norm_weights(tiny_model_dir(family), str(tmp_path))
     model = load_model(str(tmp_path), "bfloat16", torch.device("cpu"))  # NOTE: not packed
     assert model.fold_norms() is folds and model.folded is folds
+    w = model.layers[0].attn.qkv.weight.clone()
+    assert model.fold_norms() is folds  # NOTE: again: nothing more is multiplied in
+    assert torch.equal(model.layers[0].attn.qkv.weight, w)

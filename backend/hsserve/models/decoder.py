@@ -89,7 +89,7 @@ class Attention(nn.Module):
             o = attend(qkv[:, :h], kv, batch, self.scale, self.window)
             return self.o_proj(o.reshape(len(x), -1), into=stream)
         if stream is not None:
-            qkv = (qkv.float() * rms_inverse_ref(stream, folded_eps)[:, :, None]).to(qkv.dtype)
+            qkv = (qkv * rms_inverse_ref(stream, folded_eps)[:, :, None]).to(qkv.dtype)
         if self.q_norm is not None:
             q, k = self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])
             q, k = rope.apply(q), rope.apply(k)
@@ -161,6 +161,8 @@ class Decoder(nn.Module):
         gate_up (once, after loading); False, nothing done, where the layers cannot run folded:
         q/k norm or a qkv bias (the scale must come before them), or float16 (the unnormalized
         stream through a GEMM could overflow it)."""
+        if self.folded:
+            return True  # NOTE: once: a second fold would apply the weights twice
         spec, w = self.spec, self.layers[0].attn.qkv.weight
         if spec.qk_norm or spec.qkv_bias or w is None or w.dtype == torch.float16:
             return False
