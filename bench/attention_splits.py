@@ -48,10 +48,12 @@ def main() -> None:
     kv_bytes = 2 * args.batch * args.ctx * args.kv_heads * args.head_dim * 2
     picked = choose_num_splits(args.batch, args.kv_heads, tables.shape[1])
     rows = []
+    counters = torch.zeros(args.batch * args.kv_heads, dtype=torch.int32, device="cuda")
     for splits in sorted(set(args.splits) | {picked}):
         out = torch.empty_like(q)
         us = time_graph(lambda _, s=splits: paged_decode_attention(q, kv, tables, lens, 0.125,
-                                                                  num_splits=s, out=out),
+                                                                  num_splits=s, out=out,
+                                                                  counters=counters),
                         args.repeats)
         row = {"splits": splits, "heuristic": splits == picked, "us": round(us, 2),
                "kv_tb_s": round(kv_bytes / us / 1e6, 3)}

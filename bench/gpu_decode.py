@@ -161,8 +161,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--no-pdl", action="store_true", help="kernels without dependent launch (A/B)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200.json"))
     args = ap.parse_args()
+    if args.no_pdl:
+        import hsserve.kernels.pdl as pdl
+
+        pdl._supported = lambda _index: False  # NOTE: every launch asks pdl_on
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, keys = [], {}
@@ -214,7 +219,7 @@ def main() -> None:
                 keys["step_over_roofline_bs1_8b"] = row["step_over_roofline"]
     write_result(args.out, {"benchmark": "gpu_decode", "copy_bandwidth_tb_s": round(bw / 1e12, 3),
                             "prompt_len": PROMPT, "new_tokens": NEW, "dtype": "bfloat16",
-                            "async_scheduling": args.async_scheduling,
+                            "async_scheduling": args.async_scheduling, "pdl": not args.no_pdl,
                             **keys, "rows": rows})
 
 

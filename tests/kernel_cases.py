@@ -40,13 +40,17 @@ def check_decode(device, dtype, heads, kv_heads, head_dim, lens, window=None, nu
     tables = tables.to(device)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(device, dtype)
-    out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    paged_decode_attention(q, kv, tables, lens_t, scale, window, num_splits, out=out)
+    counters = torch.zeros(len(lens) * kv_heads + 3, dtype=torch.int32, device=device)
     ref = reference_decode(q, kv, tables[:, :width], lens_t, scale, window)
-    assert not torch.isnan(out).any(), "every output element must be written"
-    err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-12)
-    assert err < (1e-5 if dtype == torch.float32 else 2e-2), float(err)
+    for _ in range(2):  # NOTE: the second call runs on the counters the first left
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, kv, tables, lens_t, scale, window, num_splits, out=out,
+                               counters=counters)
+        assert not torch.isnan(out).any(), "every output element must be written"
+        err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), float(err)
+        assert not counters.any(), "the split counters are left zero"
 
 
 def check_write_kv(device, dtype, kv_heads=3, head_dim=64, block_size=16, seed=0):
@@ -188,3 +192,61 @@ def check_argmax(device, rows, vocab, seed=0):
         x[2] = float("-inf")
     x = x.to(device)
     assert torch.equal(argmax_triton(x), x.argmax(dim=-1))
+
+
+def check_gemv(device, dtype, rows, n, k, seed=0):
+    """gemv equals F.linear in float64, alone and added into a given output; odd N and K (padded
+    rows, N not a multiple of the preferred block)."""
+    from hsserve.kernels.gemv import gemv, gemv_ref
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+    base = torch.randn(rows, n, generator=g).to(device, dtype)
+    ref = gemv_ref(x.double(), w.double())
+    _close(gemv(x, w), ref, dtype)
+    _close(gemv(x, w, into=base.clone()), gemv_ref(x.double(), w.double(), into=base.double()),
+           dtype)
+
+
+def check_gemv_silu_mul(device, dtype, rows, inter, k, rms, seed=0):
+    """The fused gate_up GEMV + SiLU-and-mul equals the reference product then silu_mul_ref (with
+    the rows' 1 / rms when rms)."""
+    from hsserve.kernels.elementwise import silu_mul_ref
+    from hsserve.kernels.gemv import gemv_ref, gemv_silu_mul
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (torch.randn(rows, k, generator=g) * 3).to(device, dtype)
+    w = (torch.randn(2 * inter, k, generator=g) / k**0.5).to(device, dtype)
+    ref = silu_mul_ref(gemv_ref(x.double(), w.double()), x.double() if rms else None, 1e-5)
+    _close(gemv_silu_mul(x, w, 1e-5 if rms else None), ref, dtype)
+
+
+def check_gemv_rotary_store(device, dtype, heads, kv_heads, head_dim, k, rms, seed=0):
+    """The fused qkv GEMV + rotary + cache writes equals the reference product, then rotary_ref
+    and write_kv (with x's 1 / rms first when rms); a negative slot writes nothing."""
+    from hsserve.kernels.elementwise import rms_inverse_ref, rotary_ref
+    from hsserve.kernels.gemv import gemv_ref, gemv_rotary_store
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = (heads + 2 * kv_heads) * head_dim
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    for slot, pos in ((17, 700.0), (-1, 3.0), (63, 5000.0)):
+        x = (3 * torch.randn(1, k, generator=g)).to(device, dtype)
+        kv = torch.randn(2, 4, 16, kv_heads, head_dim, generator=g).to(device, dtype)
+        slots = torch.tensor([slot], device=device)
+        freqs = torch.tensor([pos], device=device)[:, None] * inv[None]
+        cos, sin = freqs.cos(), freqs.sin()
+        qkv = gemv_ref(x.double(), w.double()).view(1, -1, head_dim)
+        if rms:
+            qkv = qkv * rms_inverse_ref(x.double(), 1e-5)[:, :, None]
+        rotated = rotary_ref(qkv[:, : heads + kv_heads], cos.double(), sin.double())
+        want_kv = kv.double()
+        if slot >= 0:
+            write_kv(want_kv, rotated[:, heads:], qkv[:, heads + kv_heads :], slots)
+        q = gemv_rotary_store(x, w, heads, kv_heads, cos, sin, kv, slots, 1e-5 if rms else None)
+        _close(q, rotated[:, :heads], dtype)
+        if slot < 0:
+            assert torch.equal(kv.double(), want_kv)
+        _close(kv, want_kv, dtype)

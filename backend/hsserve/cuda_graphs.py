@@ -96,6 +96,7 @@ class DecodeGraphs:
         self.meta[3].fill_(-1)
         _, self.sources, self.positions, self.slots, self.lens = self.meta.unbind(0)  # 0: ids
         self.tables = torch.zeros(b, max_pages, dtype=torch.int32, device=dev)
+        self.split_counters = torch.zeros(b * spec.num_kv_heads, dtype=torch.int32, device=dev)
         # NOTE: two host slots, used in turn: a step's copies out of its slot may still be queued
         # when the next step is prepared (steps overlap), never when the one after is
         self.host_meta = torch.zeros(2, 5, b, dtype=torch.long).pin_memory()
@@ -119,6 +120,7 @@ class DecodeGraphs:
             decode_rows=self.rows_index[:size],
             decode_block_tables=self.tables[:size],
             decode_seq_lens=self.lens[:size],
+            decode_counters=self.split_counters,
             kernels=True,
         )
         capture = None

@@ -69,3 +69,33 @@ def test_argmax_matches_torch(rows, vocab):
     from kernel_cases import check_argmax
 
     check_argmax("cuda", rows, vocab)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, n, k", [(1, 3072, 2048), (1, 2048, 8192), (1, 4096, 14336),
+                                        (1, 1000, 576), (1, 96, 64), (1, 7, 33)])
+def test_gemv_matches_reference(dtype, rows, n, k):
+    from kernel_cases import check_gemv
+
+    if dtype == torch.float32 and k > 8192:
+        pytest.skip("a float32 row over 32 KB goes to cuBLAS")
+    check_gemv("cuda", dtype, rows, n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inter, k, rms", [(8192, 2048, True), (14336, 4096, False),
+                                           (1536, 576, True), (40, 200, False)])
+def test_gemv_silu_mul_matches_reference(dtype, inter, k, rms):
+    from kernel_cases import check_gemv_silu_mul
+
+    check_gemv_silu_mul("cuda", dtype, 1, inter, k, rms)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms", [(32, 8, 64, 2048, True),
+                                                                (32, 8, 128, 4096, False),
+                                                                (9, 3, 64, 576, True)])
+def test_gemv_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim, k, rms):
+    from kernel_cases import check_gemv_rotary_store
+
+    check_gemv_rotary_store("cuda", dtype, heads, kv_heads, head_dim, k, rms)

@@ -45,6 +45,27 @@ def test_rotary_store_matches_reference(rms):
     check_rotary_store("cpu", torch.float32, rms=rms)
 
 
+@pytest.mark.parametrize("rows, n, k", [(1, 96, 64), (1, 40, 200), (1, 7, 33)])
+def test_gemv_matches_reference(rows, n, k):
+    from kernel_cases import check_gemv
+
+    check_gemv("cpu", torch.float32, rows, n, k)
+
+
+@pytest.mark.parametrize("inter, k, rms", [(48, 64, False), (40, 200, True)])
+def test_gemv_silu_mul_matches_reference(inter, k, rms):
+    from kernel_cases import check_gemv_silu_mul
+
+    check_gemv_silu_mul("cpu", torch.float32, 1, inter, k, rms)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms", [(4, 2, 16, 64, True),
+                                                                (3, 1, 32, 100, False)])
+def test_gemv_rotary_store_matches_reference(heads, kv_heads, head_dim, k, rms):
+    from kernel_cases import check_gemv_rotary_store
+
+    check_gemv_rotary_store("cpu", torch.float32, heads, kv_heads, head_dim, k, rms)
+
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 32), (4, 4, 16)])
 def test_varlen_attention_matches_reference(heads, kv_heads, head_dim):

@@ -42,5 +42,5 @@ def attend(q: torch.Tensor, kv: torch.Tensor, batch: AttentionBatch, scale: floa
         from hsserve.kernels.paged_decode_attention import paged_decode_attention
 
         return paged_decode_attention(q, kv, batch.decode_block_tables, batch.decode_seq_lens,
-                                      scale, window)
+                                      scale, window, counters=batch.decode_counters)
     return paged_attention_ref(q, kv, batch, scale)

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hsserve.kernels.pdl import pdl_enter, pdl_on
+
 # ---- 1 / rms of a row -------------------------------------------------------------------------------
 
 
@@ -59,7 +61,8 @@ def add_rmsnorm_ref(x, residual, weight, eps):
 
 @triton.jit
 def _add_rmsnorm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, n, eps,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -92,6 +95,7 @@ def add_rmsnorm_triton(x, residual, weight, eps):
         _add_rmsnorm_kernel[(len(x2),)](
             x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
             n, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            PDL=pdl_on(x2), launch_pdl=pdl_on(x2),
         )
     return out.view(x.shape), total.view(x.shape)
 
@@ -140,9 +144,10 @@ def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, S, stride_t, stride_h, stride
                          stride_half, stride_slot, stride_head, stride_s, n_s, eps,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                          HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HAS_RMS: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+                         BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     # NOTE: one program per token, all its heads as one tile (a program per head left most
     # threads idle: 4.5 us per layer at 64 tokens on the H200)
+    pdl_enter(PDL)
     t = tl.program_id(0)
     i = tl.arange(0, HALF)
     scale = 1.0
@@ -186,7 +191,7 @@ def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=d // 2,
             HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_PAD=triton.next_power_of_2(num_kv_heads),
-            HAS_RMS=rms_of is not None, BLOCK_S=block_s,
+            HAS_RMS=rms_of is not None, BLOCK_S=block_s, PDL=pdl_on(qkv), launch_pdl=pdl_on(qkv),
         )
 
 
@@ -214,7 +219,8 @@ def silu_mul_ref(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None,
 
 @triton.jit
 def _silu_mul_kernel(X, OUT, S, stride_x, stride_o, stride_s, n, n_s, eps, BLOCK: tl.constexpr,
-                     HAS_RMS: tl.constexpr, BLOCK_S: tl.constexpr):
+                     HAS_RMS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -245,5 +251,6 @@ def silu_mul_triton(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None,
     if t:
         _silu_mul_kernel[(t, triton.cdiv(n, block))](
             gate_up, out, s, gate_up.stride(0), out.stride(0), stride_s, n, n_s, eps,
-            BLOCK=block, HAS_RMS=rms_of is not None, BLOCK_S=block_s)
+            BLOCK=block, HAS_RMS=rms_of is not None, BLOCK_S=block_s, PDL=pdl_on(out),
+            launch_pdl=pdl_on(out))
     return out

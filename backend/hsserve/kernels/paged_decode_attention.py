@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from hsserve.kernels.online_softmax import online_softmax_step
+from hsserve.kernels.pdl import pdl_enter, pdl_on
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def write_kv_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 
 @triton.jit(do_not_specialize=["window", "stride_tb"])  # NOTE: vary per step; no recompiles
 def _decode_split_kernel(
-    Q, KV, TABLES, LENS, ACC, STATS, OUT,
+    Q, KV, TABLES, LENS, ACC, STATS, OUT, COUNTERS,
     scale, window,
     stride_qb, stride_qh,
     stride_ob, stride_oh,
@@ -67,13 +68,16 @@ def _decode_split_kernel(
     stride_ab, stride_ah, stride_as,
     stride_sb, stride_sh, stride_ss,
     NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGES: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,33 +120,38 @@ def _decode_split_kernel(
     stats = STATS + b * stride_sb + heads * stride_sh + split * stride_ss
     tl.store(stats, m, mask=g < GROUP)
     tl.store(stats + 1, l, mask=g < GROUP)
+    # NOTE: the last split of (sequence, KV head) to finish merges them all (no merge kernel);
+    # the counter's acq_rel add orders the other splits' stores before the loads below
+    counter = COUNTERS + b * tl.num_programs(1) + kvh
+    tl.debug_barrier()  # NOTE: every thread's stores above come before the add
+    if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:
+        _merge_splits(ACC, STATS, OUT, b, heads, g < GROUP, d, stride_ab, stride_ah, stride_as,
+                      stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, NUM_SPLITS,
+                      SPLITS_PAD)
+        tl.store(counter, 0)  # NOTE: zero again for the next call (a graph replays it)
 
 
 @triton.jit
-def _decode_merge_kernel(
-    ACC, STATS, OUT,
-    stride_ab, stride_ah, stride_as,
-    stride_sb, stride_sh, stride_ss,
-    stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, stride_ab, stride_ah, stride_as,
+                  stride_sb, stride_sh, stride_ss, stride_ob, stride_oh,
+                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """out = sum over splits of acc * exp(m - max m) / sum of l * exp(m - max m), for the
+    group's heads (rows) at once; a split that saw no key has m = -inf and weighs nothing."""
     s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    stats = STATS + b * stride_sb + h * stride_sh + s * stride_ss
-    m = tl.load(stats, mask=s < NUM_SPLITS, other=float("-inf"))
-    l = tl.load(stats + 1, mask=s < NUM_SPLITS, other=0.0)
-    m_max = tl.max(m, 0)
+    mask = valid[:, None] & (s < NUM_SPLITS)[None, :]
+    stats = STATS + b * stride_sb + heads[:, None] * stride_sh + s[None, :] * stride_ss
+    m = tl.load(stats, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(stats + 1, mask=mask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, 1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
-    acc = tl.load(ACC + b * stride_ab + h * stride_ah + s[:, None] * stride_as + d[None, :],
-                  mask=(s < NUM_SPLITS)[:, None], other=0.0)
-    total = tl.sum(w * l, 0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(OUT + b * stride_ob + h * stride_oh + d, o.to(OUT.dtype.element_ty))
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max[:, None]))
+    acc = tl.load(ACC + b * stride_ab + heads[:, None, None] * stride_ah
+                  + s[None, :, None] * stride_as + d[None, None, :],
+                  mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+    total = tl.sum(w * l, 1)
+    o = tl.sum(acc * w[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             o.to(OUT.dtype.element_ty), mask=valid[:, None])
 
 
 _TOKENS_PER_STEP = 64  # NOTE: keys per loop step of a split (whole pages)
@@ -164,10 +173,12 @@ def paged_decode_attention(
     window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, heads, head_dim]; kv one layer [2, blocks, block_size, kv_heads, head_dim];
     block_tables [B, max_pages] int32; seq_lens [B] int32 (keys 0..len-1 visible; the query is
-    at position len-1). Returns [B, heads, head_dim] in q's dtype."""
+    at position len-1). Returns [B, heads, head_dim] in q's dtype. counters: int32 zeros, at
+    least B * kv_heads, which the kernel leaves zero (a CUDA graph's buffer); None: allocated."""
     bsz, heads, d = q.shape
     _, _, block_size, kv_heads, _ = kv.shape
     group = heads // kv_heads
@@ -178,8 +189,12 @@ def paged_decode_attention(
     out = torch.empty_like(q) if out is None else out
     if bsz == 0:
         return out
+    if counters is None:
+        counters = torch.zeros(bsz * kv_heads, dtype=torch.int32, device=q.device)
+    assert counters.numel() >= bsz * kv_heads and counters.dtype == torch.int32
+    pdl = pdl_on(q)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
-        q, kv, block_tables, seq_lens, acc, stats, out,
+        q, kv, block_tables, seq_lens, acc, stats, out, counters,
         scale, window or 0,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
@@ -188,22 +203,13 @@ def paged_decode_attention(
         acc.stride(0), acc.stride(1), acc.stride(2),
         stats.stride(0), stats.stride(1), stats.stride(2),
         NUM_SPLITS=num_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
         HEAD_DIM=d,
         PAGES=max(1, _TOKENS_PER_STEP // block_size),
         IEEE=q.dtype == torch.float32,
-    )
-    if num_splits == 1:
-        return out
-    _decode_merge_kernel[(bsz, heads)](
-        acc, stats, out,
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        stats.stride(0), stats.stride(1), stats.stride(2),
-        out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        HEAD_DIM=d,
+        PDL=pdl, launch_pdl=pdl,
     )
     return out

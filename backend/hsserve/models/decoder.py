@@ -22,6 +22,7 @@ from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, store_kv
 from hsserve.kernels.elementwise import (add_rmsnorm, rms_inverse_ref, rotary_, rotary_store_,
                                          silu_mul)
+from hsserve.kernels.gemv import gemv_fits, gemv_rotary_store, gemv_silu_mul
 from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
 from hsserve.models.spec import ModelSpec
@@ -79,10 +80,17 @@ class Attention(nn.Module):
         """x: the normed rows -> attention output; with folded_eps (the norm's weight folded into
         qkv), x is the residual stream itself, and the attention output is added into it (in
         place: nothing reads the stream's old value after this layer's attention)."""
-        qkv = self.qkv(x).view(len(x), -1, self.head_dim)
         h, kvh = self.num_heads, self.num_kv_heads
         stream = x if folded_eps is not None else None
-        if rope.fused and batch.kernels and self.q_norm is None:
+        fused = rope.fused and batch.kernels and self.q_norm is None
+        if fused and self.qkv.bias is None and gemv_fits(x, self.qkv.weight):
+            # NOTE: one kernel: the qkv product, rotary, the cache writes
+            q = gemv_rotary_store(x, self.qkv.weight, h, kvh, rope.cos, rope.sin, kv,
+                                  batch.slot_mapping, folded_eps)
+            o = attend(q, kv, batch, self.scale, self.window)
+            return self.o_proj(o.reshape(len(x), -1), into=stream)
+        qkv = self.qkv(x).view(len(x), -1, self.head_dim)
+        if fused:
             # NOTE: one kernel rotates q and k and writes k and v into the cache
             rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping, stream,
                           folded_eps or 0.0)
@@ -110,9 +118,12 @@ class MLP(nn.Module):
     def forward(self, x, folded_eps: float | None = None):
         """As Attention.forward: with folded_eps, x is the stream and the MLP output is added
         into it."""
-        if folded_eps is None:
-            return self.down(silu_mul(self.gate_up(x)))
-        return self.down(silu_mul(self.gate_up(x), x, folded_eps), into=x)
+        stream = x if folded_eps is not None else None
+        if self.gate_up.bias is None and gemv_fits(x, self.gate_up.weight):
+            h = gemv_silu_mul(x, self.gate_up.weight, folded_eps)  # NOTE: one kernel
+        else:
+            h = silu_mul(self.gate_up(x), stream, folded_eps or 0.0)
+        return self.down(h, into=stream)
 
 
 class DecoderLayer(nn.Module):

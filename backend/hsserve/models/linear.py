@@ -4,6 +4,8 @@ On x86 CPUs torch's default fp32 GEMM goes through MKL, which runs small-M produ
 batches) far below the core's FMA rate; oneDNN's packed-weight linear (the op torch's own
 compiler uses for frozen CPU graphs) measured 1.6-2x faster here at M = 1..32. The packed copy
 replaces the dense weight; the torch fallback (F.linear) is used elsewhere and as the oracle.
+On CUDA a few rows (decode at small batch) go through our GEMV kernel (kernels/gemv.py), which
+beats cuBLAS there; more rows through cuBLAS.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hsserve.kernels.gemv import gemv, gemv_fits
 
 _PACK_BATCH_HINT = 32  # NOTE: measured best across M = 1..2048 on a 2-core AVX2 machine
 
@@ -32,6 +36,8 @@ class Linear(nn.Module):
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y if into is None else into.add_(y)
+        if self.bias is None and gemv_fits(x, self.weight):
+            return gemv(x, self.weight, into)
         if into is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None and x.dim() == 2:

@@ -1,0 +1,190 @@
+"""y = x W^T for a few rows (decode at small batch), chained by programmatic dependent launch.
+
+At one row a decode step is a chain of matrix-vector products, each reading its weight once. A
+single product of 8-34 MB cannot fill the memory system on its own (cuBLAS: 6 us for the 1B
+shape's 8 MB o_proj, a third of the bandwidth), and every kernel boundary drains it. Here each
+program loads its slab of W (BLOCK_N whole rows, ~16 KB) before it waits for the previous kernel
+(griddepcontrol.wait), and lets the next kernel launch at once (griddepcontrol.launch_dependents):
+with PDL on, the next product's weights stream in while this one finishes, as in one persistent
+kernel. The weights never depend on the previous kernel, so only x and y wait.
+
+Two products carry the kernel that followed them in their epilogue (and, for folded norms, the
+1 / rms of x, which they hold whole anyway): gemv_silu_mul (the MLP's gate_up, then
+SiLU-and-multiply) and gemv_rotary_store (attention's qkv, then rotary on q and k and the k/v
+writes into the paged cache, as rotary_store_): one kernel instead of two, each.
+
+References: gemv_ref (F.linear) and silu_mul_ref, the oracles of the kernel tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from hsserve.kernels.pdl import pdl_enter, pdl_on
+
+MAX_ROWS = 1  # NOTE: at 4 rows the 1B layer's GEMVs took 65 us against cuBLAS's 45 (H200)
+_SLAB_BYTES = 16 << 10  # NOTE: W bytes per program
+_MAX_ROW_BYTES = 32 << 10  # NOTE: one whole row of W per program at least; above this, cuBLAS
+
+
+def gemv_fits(x: torch.Tensor, w: torch.Tensor | None) -> bool:
+    """Whether gemv can take x W^T: CUDA, at most MAX_ROWS rows of unit stride, a contiguous W
+    whose padded row fits a program."""
+    return (x.is_cuda and x.dim() == 2 and 0 < len(x) <= MAX_ROWS and x.stride(1) == 1
+            and w is not None and w.is_contiguous() and w.dtype == x.dtype
+            and triton.next_power_of_2(w.shape[1]) * w.element_size() <= _MAX_ROW_BYTES)
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    y = F.linear(x, w)
+    return y if into is None else into.add_(y)
+
+
+@triton.jit
+def _gemv_kernel(X, W, Y, K, stride_x, stride_y, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KP: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, KP)
+    kmask = rk < K
+    w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=kmask[None, :], other=0.0)
+    pdl_enter(PDL)  # NOTE: x and y come from the previous kernel; W did not
+    for m in tl.static_range(ROWS):
+        x = tl.load(X + m * stride_x + rk, mask=kmask, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if ADD:
+            acc += tl.load(Y + m * stride_y + rn).to(tl.float32)
+        tl.store(Y + m * stride_y + rn, acc.to(Y.dtype.element_ty))
+
+
+def gemv_config(n: int, k: int, itemsize: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): BLOCK_N whole rows of ~_SLAB_BYTES per program, dividing n."""
+    block_n = max(1, _SLAB_BYTES // (triton.next_power_of_2(k) * itemsize))
+    while n % block_n:
+        block_n //= 2
+    slab = block_n * triton.next_power_of_2(k) * itemsize
+    return block_n, 8 if slab > _SLAB_BYTES else 4
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, into: torch.Tensor | None = None,
+         pdl: bool | None = None, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [rows <= MAX_ROWS, K] (rows contiguous), w [N, K] contiguous -> [rows, N] in x's dtype;
+    with `into` ([rows, N]) the product is added to it in place. pdl None: where supported."""
+    rows, k = x.shape
+    pdl = pdl_on(x) if pdl is None else pdl
+    n = w.shape[0]
+    assert rows <= MAX_ROWS and x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
+    assert into is None or (into.shape == (rows, n) and into.stride(1) == 1)
+    y = into if into is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_n, warps = config or gemv_config(n, k, w.element_size())
+    _gemv_kernel[(n // block_n,)](x, w, y, k, x.stride(0), y.stride(0), ROWS=rows,
+                                  BLOCK_N=block_n, KP=triton.next_power_of_2(k),
+                                  ADD=into is not None, PDL=pdl, num_warps=warps,
+                                  launch_pdl=pdl)
+    return y
+
+
+@triton.jit
+def _gemv_silu_mul_kernel(X, W, Y, K, half, eps, stride_x, stride_y, ROWS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_RMS: tl.constexpr,
+                          PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, KP)
+    kmask = rk < K
+    gate = W + rn[:, None].to(tl.int64) * K + rk[None, :]
+    wg = tl.load(gate, mask=kmask[None, :], other=0.0)
+    wu = tl.load(gate + half * K, mask=kmask[None, :], other=0.0)
+    pdl_enter(PDL)
+    for m in tl.static_range(ROWS):
+        x = tl.load(X + m * stride_x + rk, mask=kmask, other=0.0).to(tl.float32)
+        g = tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+        u = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        if HAS_RMS:
+            scale = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
+            g, u = g * scale, u * scale
+        tl.store(Y + m * stride_y + rn, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
+
+
+def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, rms_eps: float | None = None,
+                  pdl: bool | None = None) -> torch.Tensor:
+    """silu(gate) * up of x W^T for a fused gate_up W [2 * I, K] -> [rows, I]; with rms_eps, gate
+    and up are first scaled by each x row's 1 / rms (the folded norm, as silu_mul's rms_of)."""
+    rows, k = x.shape
+    half = w.shape[0] // 2
+    assert rows <= MAX_ROWS and x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
+    pdl = pdl_on(x) if pdl is None else pdl
+    y = torch.empty(rows, half, dtype=x.dtype, device=x.device)
+    block_n, warps = gemv_config(half, k, 2 * w.element_size())  # NOTE: two slabs a program
+    _gemv_silu_mul_kernel[(half // block_n,)](
+        x, w, y, k, half, rms_eps or 0.0, x.stride(0), y.stride(0), ROWS=rows, BLOCK_N=block_n,
+        KP=triton.next_power_of_2(k), HAS_RMS=rms_eps is not None, PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
+    return y
+
+
+@triton.jit
+def _gemv_rotary_store_kernel(X, W, Q, COS, SIN, KV, SLOTS, K, eps, stride_x, stride_qt,
+                              stride_qh, stride_c, stride_half, stride_slot, stride_head,
+                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                              HALF: tl.constexpr, PAIRS: tl.constexpr, KP: tl.constexpr,
+                              ROWS: tl.constexpr, HAS_RMS: tl.constexpr, PDL: tl.constexpr):
+    # NOTE: a program owns PAIRS rotation pairs of one head: W rows i and i + HALF of it
+    pid = tl.program_id(0)
+    head = pid * PAIRS // HALF
+    i = pid * PAIRS % HALF + tl.arange(0, PAIRS)
+    rk = tl.arange(0, KP)
+    kmask = rk < K
+    lo = W + (head * 2 * HALF + i)[:, None].to(tl.int64) * K + rk[None, :]
+    w1 = tl.load(lo, mask=kmask[None, :], other=0.0)
+    w2 = tl.load(lo + HALF * K, mask=kmask[None, :], other=0.0)
+    pdl_enter(PDL)
+    for m in tl.static_range(ROWS):
+        x = tl.load(X + m * stride_x + rk, mask=kmask, other=0.0).to(tl.float32)
+        a = tl.sum(w1.to(tl.float32) * x[None, :], axis=1)
+        b = tl.sum(w2.to(tl.float32) * x[None, :], axis=1)
+        if HAS_RMS:
+            scale = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
+            a, b = a * scale, b * scale
+        if head < NUM_HEADS + NUM_KV_HEADS:  # NOTE: q and k rotate; v does not
+            c = tl.load(COS + m * stride_c + i)
+            sn = tl.load(SIN + m * stride_c + i)
+            a, b = a * c - b * sn, b * c + a * sn
+        if head < NUM_HEADS:
+            dst = Q + m * stride_qt + head * stride_qh + i
+            tl.store(dst, a.to(Q.dtype.element_ty))
+            tl.store(dst + HALF, b.to(Q.dtype.element_ty))
+        else:
+            slot = tl.load(SLOTS + m).to(tl.int64)
+            if slot >= 0:
+                v = (head >= NUM_HEADS + NUM_KV_HEADS).to(tl.int64)
+                kvh = head - NUM_HEADS - v * NUM_KV_HEADS
+                dst = KV + v * stride_half + slot * stride_slot + kvh * stride_head + i
+                tl.store(dst, a.to(KV.dtype.element_ty))
+                tl.store(dst + HALF, b.to(KV.dtype.element_ty))
+
+
+def gemv_rotary_store(x: torch.Tensor, w: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                      rms_eps: float | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """The fused qkv product of x with W [(heads + 2 * kv_heads) * head_dim, K], then what
+    rotary_store_ does with it: returns q [rows, heads, head_dim] rotated; k rotated and v go
+    into one layer's cache [2, blocks, block_size, kv_heads, head_dim] at `slots` (negative: not
+    written); cos/sin [rows, head_dim // 2] float32. rms_eps: scaled first by x's rows' 1 / rms."""
+    rows, k = x.shape
+    d = kv.shape[-1]
+    assert rows <= MAX_ROWS and x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
+    assert w.shape[0] == (num_heads + 2 * num_kv_heads) * d
+    pdl = pdl_on(x) if pdl is None else pdl
+    q = torch.empty(rows, num_heads, d, dtype=x.dtype, device=x.device)
+    flat = kv.view(2, -1, num_kv_heads, d)
+    pairs, warps = gemv_config(d // 2, k, 2 * w.element_size())  # NOTE: two slabs a program
+    _gemv_rotary_store_kernel[(w.shape[0] // 2 // pairs,)](
+        x, w, q, cos, sin, flat, slots, k, rms_eps or 0.0, x.stride(0), q.stride(0), q.stride(1),
+        cos.stride(0), flat.stride(0), flat.stride(1), flat.stride(2), NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HALF=d // 2, PAIRS=pairs, KP=triton.next_power_of_2(k),
+        ROWS=rows, HAS_RMS=rms_eps is not None, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return q
