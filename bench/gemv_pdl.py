@@ -20,6 +20,7 @@ from common import time_graph, write_result  # noqa: E402
 from gemm_backends import linears  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
+import hsserve.kernels.gemv as gemv_mod  # noqa: E402
 from hsserve.kernels.gemv import gemv, gemv_config  # noqa: E402
 
 TB = 4.28e12  # NOTE: the H200's measured copy bandwidth, bytes/s
@@ -37,6 +38,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-8b"])
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--out", default="")
+    ap.add_argument("--slabs", type=int, nargs="+", default=[16],
+                    help="KB of W per program for the PDL chain (kernels/gemv.py: 16)")
+    ap.add_argument("--chain-only", action="store_true")
     args = ap.parse_args()
     dev, dt, results = torch.device("cuda"), torch.bfloat16, []
     for shape_name in args.shapes:
@@ -47,7 +51,7 @@ def main() -> None:
                    for _ in range(layers)]
         h = shape["hidden_size"]
         x = torch.randn(args.rows, h, device=dev, dtype=dt)
-        for name, (n, k) in mats.items():
+        for name, (n, k) in ([] if args.chain_only else mats.items()):
             xin = torch.randn(args.rows, k, device=dev, dtype=dt)
             row = {"shape": shape_name, "linear": name, "n": n, "k": k, "rows": args.rows,
                    "floor_us": round(n * k * 2 / TB * 1e6, 2)}
@@ -70,8 +74,10 @@ def main() -> None:
             print(row, flush=True)
             results.append(row)
         floor = sum(n * k * 2 for n, k in mats.values()) / TB * 1e6
-        for v in ("cublas", "gemv", "gemv_pdl"):
+        chains = [("cublas", 16), ("gemv", 16)] + [("gemv_pdl", kb) for kb in args.slabs]
+        for v, kb in chains:
             f = variant(v)
+            gemv_mod._SLAB_BYTES = kb << 10
 
             def chain(_i, f=f):
                 for w in weights:
@@ -81,10 +87,12 @@ def main() -> None:
                     f(gu[:, : w["down"].shape[1]], w["down"], into=x)
 
             us = time_graph(chain, calls=1, replays=20) / layers
-            row = {"shape": shape_name, "chain": v, "rows": args.rows, "us_per_layer": round(us, 2),
-                   "floor_us_per_layer": round(floor, 2), "over_floor": round(us / floor, 3)}
+            row = {"shape": shape_name, "chain": v, "slab_kb": kb, "rows": args.rows,
+                   "us_per_layer": round(us, 2), "floor_us_per_layer": round(floor, 2),
+                   "over_floor": round(us / floor, 3)}
             print(row, flush=True)
             results.append(row)
+        gemv_mod._SLAB_BYTES = 16 << 10
         del weights
         torch.cuda.empty_cache()
     if args.out:

@@ -41,8 +41,9 @@ class AttentionBatch:
     # mask built once per step; a boolean one is converted again by every layer)
     decode_bias: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None  # [B] int32: keys 0..len-1 visible
-    # [>= B * kv_heads] int32 zeros the decode kernel counts its splits on (and leaves zero); a
-    # CUDA graph holds one; None: the kernel call allocates them
+    # [>= B * kv_heads] int32 zeros the decode kernel counts its splits on (and leaves zero); the
+    # decode graphs share one (their replays are serialized on one stream: two decode kernels
+    # running at once must not share it); None: the kernel call allocates them
     decode_counters: torch.Tensor | None = None
     spans: list[Span] = field(default_factory=list)
     # NOTE: with the kernels, a step that is not all decode runs every row through one varlen

@@ -282,19 +282,23 @@ class Executor:
         pick = upload(sampling, dev) if 0 < len(sampling) < len(chunks) else None
         # NOTE: one pass (this runs every step for every row): a row leaves the GPU when its
         # chunk's one token is to be captured; kept rows are in chunk order
-        keep, slices, full = [], [], False
-        none = HiddenStatesMode.NONE
+        keep, slices, full, layer_sets = [], [], False, set()
+        none, last = HiddenStatesMode.NONE, HiddenStatesMode.LAST
         for i, c in enumerate(chunks):
-            mode = c.seq.hidden_mode
-            if mode is not none and rows_to_capture(c):
+            seq = c.seq
+            mode = seq.hidden_mode
+            # NOTE: a MODE=last chunk queued ahead always gives its row (rows_to_capture's
+            # rule, answered without the call: most rows of most steps)
+            if mode is not none and ((mode is last and c.ahead) or rows_to_capture(c)):
                 slices.append((len(keep), 1))
                 keep.append(i)
-                full = full or mode is HiddenStatesMode.FULL
+                full = full or mode is not last
+                layer_sets.add(seq.hidden_layers)
             else:
                 slices.append((len(keep), 0))
         keep_index = upload(keep, dev) if 0 < len(keep) < len(chunks) else None
         # NOTE: the layers asked for, in the graph's (ascending) column order
-        wanted_layers = sorted(set().union(*{chunks[i].seq.hidden_layers for i in keep}))
+        wanted_layers = sorted(set().union(*layer_sets))
         cols = None
         if keep and len(wanted_layers) < len(g.layers):
             column = {k: j for j, k in enumerate(g.layers)}

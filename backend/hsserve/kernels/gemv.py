@@ -97,7 +97,7 @@ def _gemv_silu_mul_kernel(X, W, Y, K, half, eps, stride_x, stride_y, ROWS: tl.co
     kmask = rk < K
     gate = W + rn[:, None].to(tl.int64) * K + rk[None, :]
     wg = tl.load(gate, mask=kmask[None, :], other=0.0)
-    wu = tl.load(gate + half * K, mask=kmask[None, :], other=0.0)
+    wu = tl.load(gate + half.to(tl.int64) * K, mask=kmask[None, :], other=0.0)
     pdl_enter(PDL)
     for m in tl.static_range(ROWS):
         x = tl.load(X + m * stride_x + rk, mask=kmask, other=0.0).to(tl.float32)

@@ -26,8 +26,9 @@ _MAX_ROWS = 1
 
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether the kernel over t's rows launches with PDL: CUDA, sm_90+, a decode step of at most
-    _MAX_ROWS rows (t's first dimension)."""
-    return t.is_cuda and len(t) <= _MAX_ROWS and _supported(t.device.index or 0)
+    _MAX_ROWS rows (t's first dimension); never under Triton's interpreter (no inline PTX)."""
+    return (t.is_cuda and len(t) <= _MAX_ROWS and not triton.knobs.runtime.interpret
+            and _supported(t.device.index or 0))
 
 
 @triton.jit
