@@ -88,6 +88,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, into: torch.Tensor | None = None,
 
 
 @triton.jit
+def _two_products(x_row, w1, w2, rk, kmask, K, eps, HAS_RMS: tl.constexpr):
+    """One row of x against two slabs -> two float32 vectors, each scaled by the row's 1 / rms
+    when HAS_RMS (the folded norm: the program holds the whole row anyway)."""
+    x = tl.load(x_row + rk, mask=kmask, other=0.0).to(tl.float32)
+    a = tl.sum(w1.to(tl.float32) * x[None, :], axis=1)
+    b = tl.sum(w2.to(tl.float32) * x[None, :], axis=1)
+    if HAS_RMS:
+        scale = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
+        a, b = a * scale, b * scale
+    return a, b
+
+
+@triton.jit
 def _gemv_silu_mul_kernel(X, W, Y, K, half, eps, stride_x, stride_y, ROWS: tl.constexpr,
                           BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_RMS: tl.constexpr,
                           PDL: tl.constexpr):
@@ -100,12 +113,7 @@ def _gemv_silu_mul_kernel(X, W, Y, K, half, eps, stride_x, stride_y, ROWS: tl.co
     wu = tl.load(gate + half.to(tl.int64) * K, mask=kmask[None, :], other=0.0)
     pdl_enter(PDL)
     for m in tl.static_range(ROWS):
-        x = tl.load(X + m * stride_x + rk, mask=kmask, other=0.0).to(tl.float32)
-        g = tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
-        u = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
-        if HAS_RMS:
-            scale = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
-            g, u = g * scale, u * scale
+        g, u = _two_products(X + m * stride_x, wg, wu, rk, kmask, K, eps, HAS_RMS)
         tl.store(Y + m * stride_y + rn, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
 
 
@@ -143,12 +151,7 @@ def _gemv_rotary_store_kernel(X, W, Q, COS, SIN, KV, SLOTS, K, eps, stride_x, st
     w2 = tl.load(lo + HALF * K, mask=kmask[None, :], other=0.0)
     pdl_enter(PDL)
     for m in tl.static_range(ROWS):
-        x = tl.load(X + m * stride_x + rk, mask=kmask, other=0.0).to(tl.float32)
-        a = tl.sum(w1.to(tl.float32) * x[None, :], axis=1)
-        b = tl.sum(w2.to(tl.float32) * x[None, :], axis=1)
-        if HAS_RMS:
-            scale = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
-            a, b = a * scale, b * scale
+        a, b = _two_products(X + m * stride_x, w1, w2, rk, kmask, K, eps, HAS_RMS)
         if head < NUM_HEADS + NUM_KV_HEADS:  # NOTE: q and k rotate; v does not
             c = tl.load(COS + m * stride_c + i)
             sn = tl.load(SIN + m * stride_c + i)
