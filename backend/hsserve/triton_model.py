@@ -3,10 +3,11 @@
 Threads (STYLE 11): Triton's execute() validates, submits and returns at once; the engine's loop
 (in a child process, engine_process.py; or a thread here) computes, and its deltas reach the
 outbox (from the engine's receiver thread, or the loop thread itself); the sender thread drains
-the outbox, coalesces what piled up per request and calls send(); the watcher thread polls client cancellation at a
-bounded rate, turns it into engine aborts, and refreshes the metrics; when the engine's loop has
-died it asks Triton to unload this model (not ready; explicit model control only). finalize() stops
-the engine (in-flight requests get an error), then the sender, then the watcher.
+the outbox, coalesces what piled up per request and calls send(); the watcher thread polls
+client cancellation at a bounded rate, turns it into engine aborts, and refreshes the metrics;
+when the engine's loop has died it asks Triton to unload this model (not ready; explicit model
+control only). finalize() stops the engine (in-flight requests get an error), then the sender,
+then the watcher.
 """
 
 from __future__ import annotations

@@ -91,11 +91,12 @@ def add_rmsnorm_triton(x, residual, weight, eps):
     total = torch.empty_like(x2) if residual is not None else x2
     r2 = residual.reshape(-1, n) if residual is not None else x2
     block = triton.next_power_of_2(n)
+    pdl = pdl_on(x2)
     if len(x2):
         _add_rmsnorm_kernel[(len(x2),)](
             x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
             n, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-            PDL=pdl_on(x2), launch_pdl=pdl_on(x2),
+            PDL=pdl, launch_pdl=pdl,
         )
     return out.view(x.shape), total.view(x.shape)
 
@@ -184,6 +185,7 @@ def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
     t, _, d = qkv.shape
     flat = kv.view(2, -1, num_kv_heads, d)
     s, stride_s, n_s, block_s = _rms_args(rms_of, qkv)
+    pdl = pdl_on(qkv)
     if t:
         _rotary_store_kernel[(t,)](
             qkv, cos, sin, flat, slots, s, qkv.stride(0), qkv.stride(1), cos.stride(0),
@@ -191,7 +193,7 @@ def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=d // 2,
             HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_PAD=triton.next_power_of_2(num_kv_heads),
-            HAS_RMS=rms_of is not None, BLOCK_S=block_s, PDL=pdl_on(qkv), launch_pdl=pdl_on(qkv),
+            HAS_RMS=rms_of is not None, BLOCK_S=block_s, PDL=pdl, launch_pdl=pdl,
         )
 
 
@@ -248,9 +250,9 @@ def silu_mul_triton(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None,
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     s, stride_s, n_s, block_s = _rms_args(rms_of, gate_up)
+    pdl = pdl_on(out)
     if t:
         _silu_mul_kernel[(t, triton.cdiv(n, block))](
             gate_up, out, s, gate_up.stride(0), out.stride(0), stride_s, n, n_s, eps,
-            BLOCK=block, HAS_RMS=rms_of is not None, BLOCK_S=block_s, PDL=pdl_on(out),
-            launch_pdl=pdl_on(out))
+            BLOCK=block, HAS_RMS=rms_of is not None, BLOCK_S=block_s, PDL=pdl, launch_pdl=pdl)
     return out

@@ -69,14 +69,19 @@ def gemv_config(n: int, k: int, itemsize: int) -> tuple[int, int]:
     return block_n, 8 if slab > _SLAB_BYTES else 4
 
 
+def _launch_args(x: torch.Tensor, w: torch.Tensor, pdl: bool | None) -> tuple[int, int, bool]:
+    """(rows, K, pdl) of a product x W^T, its shapes checked; pdl None: where supported."""
+    rows, k = x.shape
+    assert rows <= MAX_ROWS and x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
+    return rows, k, pdl_on(x) if pdl is None else pdl
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, into: torch.Tensor | None = None,
          pdl: bool | None = None, config: tuple[int, int] | None = None) -> torch.Tensor:
     """x [rows <= MAX_ROWS, K] (rows contiguous), w [N, K] contiguous -> [rows, N] in x's dtype;
     with `into` ([rows, N]) the product is added to it in place. pdl None: where supported."""
-    rows, k = x.shape
-    pdl = pdl_on(x) if pdl is None else pdl
+    rows, k, pdl = _launch_args(x, w, pdl)
     n = w.shape[0]
-    assert rows <= MAX_ROWS and x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
     assert into is None or (into.shape == (rows, n) and into.stride(1) == 1)
     y = into if into is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_n, warps = config or gemv_config(n, k, w.element_size())
@@ -121,10 +126,8 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, rms_eps: float | None = None
                   pdl: bool | None = None) -> torch.Tensor:
     """silu(gate) * up of x W^T for a fused gate_up W [2 * I, K] -> [rows, I]; with rms_eps, gate
     and up are first scaled by each x row's 1 / rms (the folded norm, as silu_mul's rms_of)."""
-    rows, k = x.shape
+    rows, k, pdl = _launch_args(x, w, pdl)
     half = w.shape[0] // 2
-    assert rows <= MAX_ROWS and x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
-    pdl = pdl_on(x) if pdl is None else pdl
     y = torch.empty(rows, half, dtype=x.dtype, device=x.device)
     block_n, warps = gemv_config(half, k, 2 * w.element_size())  # NOTE: two slabs a program
     _gemv_silu_mul_kernel[(half // block_n,)](
@@ -177,11 +180,9 @@ def gemv_rotary_store(x: torch.Tensor, w: torch.Tensor, num_heads: int, num_kv_h
     rotary_store_ does with it: returns q [rows, heads, head_dim] rotated; k rotated and v go
     into one layer's cache [2, blocks, block_size, kv_heads, head_dim] at `slots` (negative: not
     written); cos/sin [rows, head_dim // 2] float32. rms_eps: scaled first by x's rows' 1 / rms."""
-    rows, k = x.shape
+    rows, k, pdl = _launch_args(x, w, pdl)
     d = kv.shape[-1]
-    assert rows <= MAX_ROWS and x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k
     assert w.shape[0] == (num_heads + 2 * num_kv_heads) * d
-    pdl = pdl_on(x) if pdl is None else pdl
     q = torch.empty(rows, num_heads, d, dtype=x.dtype, device=x.device)
     flat = kv.view(2, -1, num_kv_heads, d)
     pairs, warps = gemv_config(d // 2, k, 2 * w.element_size())  # NOTE: two slabs a program

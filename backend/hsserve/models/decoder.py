@@ -22,7 +22,7 @@ from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, store_kv
 from hsserve.kernels.elementwise import (add_rmsnorm, rms_inverse_ref, rotary_, rotary_store_,
                                          silu_mul)
-from hsserve.kernels.gemv import gemv_fits, gemv_rotary_store, gemv_silu_mul
+from hsserve.kernels.gemv import gemv_rotary_store, gemv_silu_mul
 from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
 from hsserve.models.spec import ModelSpec
@@ -83,19 +83,24 @@ class Attention(nn.Module):
         h, kvh = self.num_heads, self.num_kv_heads
         stream = x if folded_eps is not None else None
         fused = rope.fused and batch.kernels and self.q_norm is None
-        if fused and self.qkv.bias is None and gemv_fits(x, self.qkv.weight):
+        if fused and self.qkv.takes_gemv(x):
             # NOTE: one kernel: the qkv product, rotary, the cache writes
             q = gemv_rotary_store(x, self.qkv.weight, h, kvh, rope.cos, rope.sin, kv,
                                   batch.slot_mapping, folded_eps)
-            o = attend(q, kv, batch, self.scale, self.window)
-            return self.o_proj(o.reshape(len(x), -1), into=stream)
-        qkv = self.qkv(x).view(len(x), -1, self.head_dim)
-        if fused:
-            # NOTE: one kernel rotates q and k and writes k and v into the cache
-            rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping, stream,
-                          folded_eps or 0.0)
-            o = attend(qkv[:, :h], kv, batch, self.scale, self.window)
-            return self.o_proj(o.reshape(len(x), -1), into=stream)
+        else:
+            qkv = self.qkv(x).view(len(x), -1, self.head_dim)
+            if fused:  # NOTE: one kernel rotates q and k and writes k and v into the cache
+                rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping, stream,
+                              folded_eps or 0.0)
+                q = qkv[:, :h]
+            else:
+                q = self._rotate_and_store(qkv, rope, batch, kv, stream, folded_eps)
+        o = attend(q, kv, batch, self.scale, self.window)
+        return self.o_proj(o.reshape(len(x), -1), into=stream)
+
+    def _rotate_and_store(self, qkv, rope, batch, kv, stream, folded_eps):
+        """The torch path: (1 / rms of the stream,) q/k norm, rotary, the cache writes -> q."""
+        h, kvh = self.num_heads, self.num_kv_heads
         if stream is not None:
             qkv = (qkv * rms_inverse_ref(stream, folded_eps)[:, :, None]).to(qkv.dtype)
         if self.q_norm is not None:
@@ -103,10 +108,8 @@ class Attention(nn.Module):
             q, k = rope.apply(q), rope.apply(k)
         else:  # NOTE: q and k rotated in one pass
             q, k = rope.apply(qkv[:, : h + kvh]).split((h, kvh), dim=1)
-        v = qkv[:, h + kvh :]
-        store_kv(kv, k, v, batch)
-        o = attend(q, kv, batch, self.scale, self.window)
-        return self.o_proj(o.reshape(len(x), -1), into=stream)
+        store_kv(kv, k, qkv[:, h + kvh :], batch)
+        return q
 
 
 class MLP(nn.Module):
@@ -119,7 +122,7 @@ class MLP(nn.Module):
         """As Attention.forward: with folded_eps, x is the stream and the MLP output is added
         into it."""
         stream = x if folded_eps is not None else None
-        if self.gate_up.bias is None and gemv_fits(x, self.gate_up.weight):
+        if self.gate_up.takes_gemv(x):
             h = gemv_silu_mul(x, self.gate_up.weight, folded_eps)  # NOTE: one kernel
         else:
             h = silu_mul(self.gate_up(x), stream, folded_eps or 0.0)

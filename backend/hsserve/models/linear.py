@@ -36,13 +36,18 @@ class Linear(nn.Module):
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y if into is None else into.add_(y)
-        if self.bias is None and gemv_fits(x, self.weight):
+        if self.takes_gemv(x):
             return gemv(x, self.weight, into)
         if into is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None and x.dim() == 2:
             return into.addmm_(x, self.weight.t())
         return into.add_(F.linear(x, self.weight, self.bias))
+
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether x W^T goes through our GEMV kernel (no bias; see gemv_fits); the fused
+        GEMV-and-epilogue kernels of the decoder ask the same."""
+        return self.bias is None and gemv_fits(x, self.weight)
 
     def pack(self, weight: torch.Tensor | None = None) -> None:
         """Replace the dense weight by a oneDNN-packed copy (CPU, float32)."""
