@@ -104,9 +104,29 @@ def check_elementwise(device, dtype, rows=5, hidden=576, inter=1536, seed=0):
     assert torch.equal(qkv[:, 8:], rest)
 
 
+def _rope(positions, head_dim, device):
+    """float32 cos, sin [tokens, head_dim // 2] of the given positions (theta 500000)."""
+    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = torch.tensor(positions, device=device).float()[:, None] * inv[None]
+    return freqs.cos(), freqs.sin()
+
+
+def _rotary_store_expected(scaled, heads, kv_heads, cos, sin, kv, slots):
+    """What rotary_store_ leaves, in float64, from the already-scaled qkv [tokens, heads + 2 *
+    kv_heads, head_dim]: the rotated q heads, and the cache with rotated k and v written at the
+    non-negative slots."""
+    from hsserve.kernels.elementwise import rotary_ref
+
+    rotated = rotary_ref(scaled[:, : heads + kv_heads], cos.double(), sin.double())
+    want_kv = kv.double()
+    keep = slots >= 0
+    write_kv(want_kv, rotated[keep, heads:], scaled[keep, heads + kv_heads :], slots[keep])
+    return rotated[:, :heads], want_kv
+
+
 def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0, rms=False):
     """rms: q, k, v scaled first by the 1 / rms of a stream row per token (folded norm)."""
-    from hsserve.kernels.elementwise import rms_inverse_ref, rotary_ref, rotary_store_
+    from hsserve.kernels.elementwise import rms_inverse_ref, rotary_store_
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     t = 5
@@ -114,19 +134,14 @@ def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0, 
     kv = torch.randn(2, 4, 16, kv_heads, head_dim, generator=g).to(device, dtype)
     stream = (5 * torch.randn(t, 300, generator=g)).to(device, dtype) if rms else None
     slots = torch.tensor([0, 17, -1, 63, 40], device=device)
-    pos = torch.tensor([0, 3, 9, 700, 5000], device=device).float()
-    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    freqs = pos[:, None] * inv[None]
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = _rope([0, 3, 9, 700, 5000], head_dim, device)
     scaled = qkv.double()
     if rms:
         scaled = scaled * rms_inverse_ref(stream.double(), 1e-6)[:, :, None]
-    rotated = rotary_ref(scaled[:, : heads + kv_heads], cos.double(), sin.double())
-    want_kv = kv.double()
+    want_q, want_kv = _rotary_store_expected(scaled, heads, kv_heads, cos, sin, kv, slots)
     keep = slots >= 0
-    write_kv(want_kv, rotated[keep, heads:], scaled[keep, heads + kv_heads :], slots[keep])
     rotary_store_(qkv, heads, kv_heads, cos, sin, kv, slots, stream, 1e-6)
-    _close(qkv[:, :heads], rotated[:, :heads], dtype)
+    _close(qkv[:, :heads], want_q, dtype)
     _close(kv, want_kv, dtype)
     untouched = torch.ones(2 * 4 * 16, dtype=torch.bool)
     untouched[slots[keep].cpu()] = False
@@ -225,28 +240,23 @@ def check_gemv_silu_mul(device, dtype, rows, inter, k, rms, seed=0):
 def check_gemv_rotary_store(device, dtype, heads, kv_heads, head_dim, k, rms, seed=0):
     """The fused qkv GEMV + rotary + cache writes equals the reference product, then rotary_ref
     and write_kv (with x's 1 / rms first when rms); a negative slot writes nothing."""
-    from hsserve.kernels.elementwise import rms_inverse_ref, rotary_ref
+    from hsserve.kernels.elementwise import rms_inverse_ref
     from hsserve.kernels.gemv import gemv_ref, gemv_rotary_store
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     n = (heads + 2 * kv_heads) * head_dim
     w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
-    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     for slot, pos in ((17, 700.0), (-1, 3.0), (63, 5000.0)):
         x = (3 * torch.randn(1, k, generator=g)).to(device, dtype)
         kv = torch.randn(2, 4, 16, kv_heads, head_dim, generator=g).to(device, dtype)
         slots = torch.tensor([slot], device=device)
-        freqs = torch.tensor([pos], device=device)[:, None] * inv[None]
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = _rope([pos], head_dim, device)
         qkv = gemv_ref(x.double(), w.double()).view(1, -1, head_dim)
         if rms:
             qkv = qkv * rms_inverse_ref(x.double(), 1e-5)[:, :, None]
-        rotated = rotary_ref(qkv[:, : heads + kv_heads], cos.double(), sin.double())
-        want_kv = kv.double()
-        if slot >= 0:
-            write_kv(want_kv, rotated[:, heads:], qkv[:, heads + kv_heads :], slots)
+        want_q, want_kv = _rotary_store_expected(qkv, heads, kv_heads, cos, sin, kv, slots)
         q = gemv_rotary_store(x, w, heads, kv_heads, cos, sin, kv, slots, 1e-5 if rms else None)
-        _close(q, rotated[:, :heads], dtype)
+        _close(q, want_q, dtype)
         if slot < 0:
             assert torch.equal(kv.double(), want_kv)
         _close(kv, want_kv, dtype)
