@@ -6,7 +6,8 @@ throughput = B x 128 / wall time (prefill included). The roofline of a step is t
 read (every weight once + the KV cache of the batch) / the copy bandwidth measured in the same run.
 transformers generate (eager attention cache and its static cache) runs the same shapes after.
 MODE costs at batch 64: MODE=last vs none, and MODE=none on a server whose ceiling is full vs one
-whose ceiling is none.
+whose ceiling is none. steady_step_ms: the step in the middle of a run (output tokens 16 to 112),
+without the start, and without the end where MODE=last takes one more step for the last rows.
 
     python bench/gpu_decode.py [--shapes llama-1b llama-8b] [--out bench/results/h200.json]
 """
@@ -56,6 +57,7 @@ def engine_run(engine: Engine, batch: int, mode=HiddenStatesMode.NONE, tag: str 
     sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     first: list[float] = []
     last: list[float] = []
+    reached: dict[int, float] = {}  # NOTE: output tokens -> when the last sequence had that many
     lock = threading.Lock()
     done = threading.Semaphore(0)
 
@@ -64,6 +66,8 @@ def engine_run(engine: Engine, batch: int, mode=HiddenStatesMode.NONE, tag: str 
         with lock:
             if delta.token_ids and delta.num_output_tokens == len(delta.token_ids):
                 first.append(now)
+            if delta.token_ids:
+                reached[delta.num_output_tokens] = now
             if delta.request_done:
                 last.append(now)
                 done.release()
@@ -75,7 +79,9 @@ def engine_run(engine: Engine, batch: int, mode=HiddenStatesMode.NONE, tag: str 
     for _ in prompts:
         done.acquire()
     t_end = max(last)
-    return {"step_ms": 1000 * (t_end - max(first)) / (NEW - 1), "tok_s": batch * NEW / (t_end - t0)}
+    a, b = NEW // 8, NEW - NEW // 8  # NOTE: steady: the middle of the run, no start or end
+    return {"step_ms": 1000 * (t_end - max(first)) / (NEW - 1), "tok_s": batch * NEW / (t_end - t0),
+            "steady_step_ms": 1000 * (reached[b] - reached[a]) / (b - a)}
 
 
 def graph_replay_ms(engine: Engine, batch: int, with_rows: bool = False) -> float:
@@ -193,6 +199,8 @@ def main() -> None:
                 if HiddenStatesMode.LAST in best:
                     last = best[HiddenStatesMode.LAST]
                     row["last_step_ms"] = round(last["step_ms"], 3)
+                    row["steady_step_ms"] = round(r["steady_step_ms"], 3)
+                    row["last_steady_step_ms"] = round(last["steady_step_ms"], 3)
                     row["graph_with_rows_replay_ms"] = round(graph_replay_ms(engine, batch, True), 3)
                     keys["last_vs_none_overhead_bs64"] = round(last["step_ms"] / r["step_ms"] - 1, 4)
             finally:

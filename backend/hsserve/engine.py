@@ -408,7 +408,9 @@ class Engine:
             )
             if done:
                 self._finish(seq)
-            else:
+            elif seq.finish_reason is None or seq.hidden_mode != HiddenStatesMode.LAST:
+                # NOTE: MODE=last: the last token waits for its row, one step, and goes out with
+                # it in the final delta (one delta, not two, per sequence)
                 self._publish(seq, final=False)
 
     def _append_token(self, seq: Sequence, token: int) -> None:

@@ -14,6 +14,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hsserve.attention_batch import AttentionBatch, Span, visible_keys
@@ -44,24 +45,48 @@ class CapturedRows:
     cut out (as float32) only when used. On the host, or, for a step whose rows are all
     MODE=last, left on the device (`stream` given): a step queued ahead takes every MODE=last
     row, only each sequence's final one is ever published, and only a step that ends one is
-    copied."""
+    copied. `live`: the rows are the decode graphs' static buffer, which the next replay
+    rewrites; before the next step is queued the executor settles them: copied out when a row
+    ends its sequence, else dropped (most steps: nothing is copied)."""
 
     def __init__(self, block: torch.Tensor, layers: list[int],
-                 stream: torch.cuda.Stream | None = None):
-        self.block = block
+                 stream: torch.cuda.Stream | None = None, live: bool = False):
+        self.block: torch.Tensor | None = block
         self.layers = layers  # in column order
         self._column = {k: i for i, k in enumerate(layers)}
         self._stream = stream
+        self.live = live
+        self._ready: torch.cuda.Event | None = None  # NOTE: settled: the copy to the host is done
+        self._host: np.ndarray | None = None  # NOTE: the block on the host as float32, once taken
+
+    def settle(self, needed: bool) -> None:
+        """Live rows, before the next replay is queued: a host copy queued now (ahead of that
+        replay) when `needed`, else dropped."""
+        if needed:
+            self.block = download(self.block)
+            if self.block.is_pinned():  # NOTE: copied from a CUDA device
+                self._ready = torch.cuda.Event()
+                self._ready.record()
+        else:
+            self.block = None
+        self._stream, self.live = None, False
 
     def take(self, first: int, count: int, wanted: tuple[int, ...]) -> torch.Tensor:
         """Rows first..first+count-1 of the layers `wanted` (in that order) ->
         [count, len(wanted) * hidden] float32 on the host. Called once the step completed."""
+        if self.block is None:
+            raise RuntimeError("hidden rows taken after they were dropped (executor bug)")
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
         if self._stream is not None:  # NOTE: the block comes to the host once, when first used
-            self.block, self._stream = fetch(self.block, self._stream), None
-        rows = self.block[first : first + count]
+            self.block, self._stream, self.live = fetch(self.block, self._stream), None, False
+        if self._host is None:  # NOTE: float32 once for the whole step; each take is a numpy copy
+            self._host = self.block.float().numpy()
+        rows = self._host[first : first + count]
         if list(wanted) != self.layers:
             rows = rows[:, [self._column[k] for k in wanted]]
-        return rows.reshape(count, -1).float()
+        return torch.from_numpy(np.array(rows.reshape(count, -1)))
 
 
 @dataclass
@@ -125,6 +150,8 @@ class Executor:
         # NOTE: MODE=last rows kept on the device are copied out on this stream, past the steps
         # queued after theirs
         self._fetch_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # NOTE: the last graph step's MODE=last rows, still in the graphs' buffer (CapturedRows)
+        self._live: tuple[CapturedRows, list[Chunk], list[tuple[int, int]]] | None = None
 
     @property
     def sampled(self) -> torch.Tensor:
@@ -198,6 +225,8 @@ class Executor:
     def launch(self, chunks: list[Chunk], prev: Launched | None = None) -> Launched:
         """Queue one step and the copies of its results; chunks queued ahead take their input
         tokens from prev's samples on the device. Never waits for the device on the graph path."""
+        if self._live is not None:
+            self._settle_live()
         sources = sources_of(chunks, prev)
         sampled = [c.samples for c in chunks]
         g = self.graphs
@@ -214,9 +243,11 @@ class Executor:
             tokens = download(samples)
         if captured is not None:
             if self._fetch_stream is not None and last_only:
-                # NOTE: MODE=last only: the rows stay on the device (a copy: the graph's buffer is
-                # rewritten by the next step) and the one a sequence ends with is fetched then
-                captured = CapturedRows(captured.clone(), layers, self._fetch_stream)
+                # NOTE: MODE=last only: the rows stay on the device, and the one a sequence ends
+                # with is fetched then; the graphs' buffer is settled before the next step
+                captured = CapturedRows(captured, layers, self._fetch_stream, live=graph)
+                if graph:
+                    self._live = (captured, chunks, slices)
             else:  # NOTE: in the model's dtype (half the bytes of float32)
                 captured = CapturedRows(download(captured), layers)
         done = None
@@ -224,6 +255,17 @@ class Executor:
             done = torch.cuda.Event()
             done.record()
         return Launched(chunks, sampled, tokens, captured, slices, done)
+
+    def _settle_live(self) -> None:
+        """The last graph step's MODE=last rows, before a replay rewrites them: copied out when
+        one of them ends its sequence (its end decided when the step's input token was read,
+        or known by length), else dropped. Rows are only ever taken while their own step is
+        processed, and that step's sequences had their previous step processed already."""
+        captured, chunks, slices = self._live
+        self._live = None
+        if captured.live:
+            captured.settle(any(n and (c.last_input or c.seq.finish_reason is not None)
+                                for c, (_, n) in zip(chunks, slices)))
 
     def complete(self, step: Launched) -> StepOutput:
         """Wait for a launched step and hand out its tokens and rows."""

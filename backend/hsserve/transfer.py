@@ -30,5 +30,7 @@ def download(x: torch.Tensor) -> torch.Tensor:
 def fetch(x: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
     """A host copy of `x` made now on `stream`, for data whose step has completed: the steps
     queued after it on the engine's stream are not waited for."""
+    if x.device.type != "cuda":
+        return x
     with torch.cuda.stream(stream):
         return x.to("cpu")

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from hsserve.executor import Executor
-from hsserve.request import HiddenStatesMode, SamplingParams
+from hsserve.request import FinishReason, HiddenStatesMode, SamplingParams
 from hsserve.scheduler import Chunk
 from hsserve.sequence import Sequence
 
@@ -93,3 +94,34 @@ def test_inputs_rows_and_tokens_of_a_step_and_the_step_queued_after_it():
     assert out2.captured.layers == [2], "only the layers asked for leave the device"
     f, _ = out2.slices[1]
     assert out2.captured.take(f, 1, (2,)).tolist() == [[10.0 + 1] * HIDDEN]
+
+
+def test_last_rows_stay_in_the_graphs_buffer_until_the_next_step_then_kept_only_if_they_end():
+    """MODE=last rows of a graph step are left in the graphs' buffer (live, no copy); when the
+    next step is queued, before its replay rewrites the buffer, they are copied out if one of them
+    ends its sequence, else dropped."""
+    ex = make_executor()
+    ex._fetch_stream = "stand-in"  # NOTE: as on CUDA: MODE=last rows stay where they are
+    a = seq("a", [5, 6, 7], HiddenStatesMode.LAST, (2,))
+    b = seq("b", [5, 6], HiddenStatesMode.LAST, (2,))
+    for s in (a, b):
+        s.num_computed = s.num_tokens - 1
+    step1 = ex.launch([Chunk(s, s.num_computed, 1) for s in (a, b)])
+    assert step1.captured is None, "nothing ends: no row leaves"
+    step2 = ex.launch([Chunk(s, s.num_tokens, 1, ahead=True) for s in (a, b)], prev=step1)
+    assert step2.captured.live, "queued ahead: both rows taken, left in the buffer"
+    ex.complete(step1)
+    a.finish_reason = FinishReason.STOP  # NOTE: as if step 1 sampled EOS for a
+    step3 = ex.launch([Chunk(b, b.num_tokens + 1, 1, ahead=True)], prev=step2)
+    assert not step2.captured.live and step2.captured.block is not None, \
+        "a's row of step 2 (its last token's) was copied out before step 3's replay"
+    out2 = ex.complete(step2)
+    first_a, _ = out2.slices[0]
+    assert out2.captured.take(first_a, 1, (2,)).tolist() == [[0.0 + 1] * HIDDEN]
+    assert step3.captured.live
+    step4 = ex.launch([Chunk(b, b.num_tokens + 2, 1, ahead=True)], prev=step3)
+    assert step3.captured.block is None, "no sequence of step 3 ends: its rows were dropped"
+    out3 = ex.complete(step3)
+    with pytest.raises(RuntimeError, match="dropped"):
+        out3.captured.take(0, 1, (2,))
+    ex.complete(step4)
