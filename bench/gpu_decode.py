@@ -168,12 +168,18 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--no-pdl", action="store_true", help="kernels without dependent launch (A/B)")
+    ap.add_argument("--splits", type=int, help="decode attention splits at most (A/B)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200.json"))
     args = ap.parse_args()
     if args.no_pdl:
         import hsserve.kernels.pdl as pdl
 
         pdl._supported = lambda _index: False  # NOTE: every launch asks pdl_on
+    if args.splits:
+        import hsserve.kernels.paged_decode_attention as pda
+
+        choose = pda.choose_num_splits
+        pda.choose_num_splits = lambda *a, **kw: min(args.splits, choose(*a, **kw))
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, keys = [], {}
@@ -228,6 +234,7 @@ def main() -> None:
     write_result(args.out, {"benchmark": "gpu_decode", "copy_bandwidth_tb_s": round(bw / 1e12, 3),
                             "prompt_len": PROMPT, "new_tokens": NEW, "dtype": "bfloat16",
                             "async_scheduling": args.async_scheduling, "pdl": not args.no_pdl,
+                            "max_splits": args.splits,
                             **keys, "rows": rows})
 
 
