@@ -341,6 +341,7 @@ class Engine:
 
     def _complete(self, step: Launched) -> None:
         self._postprocess(step.chunks, self.executor.complete(step))
+        self.executor.processed(step)
 
     def _plan_ahead(self, prev: Launched) -> list[Chunk] | None:
         """The decode step after prev for the sequences prev sampled, reading prev's samples on
@@ -461,6 +462,7 @@ class Engine:
         elif final and seq.hidden_mode == HiddenStatesMode.LAST and seq.last_row is not None:
             captured, first = seq.last_row
             hidden = captured.take(first, 1, seq.hidden_layers)
+            seq.last_row = None
         seq.num_tokens_sent = ready
         delta = Delta(
             request_id=seq.request_id,

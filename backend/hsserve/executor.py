@@ -14,7 +14,6 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from hsserve.attention_batch import AttentionBatch, Span, visible_keys
@@ -57,16 +56,16 @@ class CapturedRows:
         self._stream = stream
         self.live = live
         self._ready: torch.cuda.Event | None = None  # NOTE: settled: the copy to the host is done
-        self._host: np.ndarray | None = None  # NOTE: the block on the host as float32, once taken
 
     def settle(self, needed: bool) -> None:
         """Live rows, before the next replay is queued: a host copy queued now (ahead of that
         replay) when `needed`, else dropped."""
-        if needed:
+        if needed and self.block.is_cuda:
             self.block = download(self.block)
-            if self.block.is_pinned():  # NOTE: copied from a CUDA device
-                self._ready = torch.cuda.Event()
-                self._ready.record()
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        elif needed:
+            self.block = self.block.clone()
         else:
             self.block = None
         self._stream, self.live = None, False
@@ -81,12 +80,11 @@ class CapturedRows:
             self._ready = None
         if self._stream is not None:  # NOTE: the block comes to the host once, when first used
             self.block, self._stream, self.live = fetch(self.block, self._stream), None, False
-        if self._host is None:  # NOTE: float32 once for the whole step; each take is a numpy copy
-            self._host = self.block.float().numpy()
-        rows = self._host[first : first + count]
+        rows = self.block[first : first + count]
         if list(wanted) != self.layers:
             rows = rows[:, [self._column[k] for k in wanted]]
-        return torch.from_numpy(np.array(rows.reshape(count, -1)))
+        # NOTE: always a copy (a view would keep the whole step's block alive)
+        return rows.reshape(count, -1).to(torch.float32, copy=True)
 
 
 @dataclass
@@ -266,6 +264,13 @@ class Executor:
         if captured.live:
             captured.settle(any(n and (c.last_input or c.seq.finish_reason is not None)
                                 for c, (_, n) in zip(chunks, slices)))
+
+    def processed(self, step: Launched) -> None:
+        """The engine is done with step's outputs: rows of it still in the graphs' buffer are no
+        longer wanted (nothing, the step's sequences included, stays referenced while idle)."""
+        if self._live is not None and self._live[0] is step.captured:
+            self._live = None
+            step.captured.settle(False)
 
     def complete(self, step: Launched) -> StepOutput:
         """Wait for a launched step and hand out its tokens and rows."""

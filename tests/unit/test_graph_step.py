@@ -96,32 +96,72 @@ def test_inputs_rows_and_tokens_of_a_step_and_the_step_queued_after_it():
     assert out2.captured.take(f, 1, (2,)).tolist() == [[10.0 + 1] * HIDDEN]
 
 
-def test_last_rows_stay_in_the_graphs_buffer_until_the_next_step_then_kept_only_if_they_end():
-    """MODE=last rows of a graph step are left in the graphs' buffer (live, no copy); when the
-    next step is queued, before its replay rewrites the buffer, they are copied out if one of them
-    ends its sequence, else dropped."""
+class StaticGraphs(FakeGraphs):
+    """Rows as the real graphs give them: views of one static buffer, which every replay with
+    rows rewrites (values 100 x replay + 10 x row + column)."""
+
+    def __init__(self):
+        super().__init__()
+        self.buffer = torch.zeros(self.max_batch, len(LAYERS), HIDDEN)
+
+    def run(self, *inputs, with_rows):
+        logits, _ = super().run(*inputs, with_rows=False)
+        n = len(inputs[0])
+        if with_rows:
+            self.buffer[:n] = (100.0 * len(self.calls) + 10 * torch.arange(n)[:, None, None]
+                               + torch.arange(len(LAYERS))[None, :, None])
+        return logits, self.buffer[:n] if with_rows else None
+
+
+def last_mode_steps(ending: str):
+    """Two MODE=last sequences a, b (all layers asked: the rows are the buffer itself): a plain
+    step, then a step queued ahead (both rows taken, left in the buffer), then, before that one
+    is read, the next step queued. `ending`: what ends a at the ahead step ("finish": its end
+    decided when the plain step was read; "length": its input is its last by length; "none")."""
     ex = make_executor()
+    ex.graphs = StaticGraphs()
     ex._fetch_stream = "stand-in"  # NOTE: as on CUDA: MODE=last rows stay where they are
-    a = seq("a", [5, 6, 7], HiddenStatesMode.LAST, (2,))
-    b = seq("b", [5, 6], HiddenStatesMode.LAST, (2,))
+    a = seq("a", [5, 6, 7], HiddenStatesMode.LAST, tuple(LAYERS))
+    b = seq("b", [5, 6], HiddenStatesMode.LAST, tuple(LAYERS))
     for s in (a, b):
         s.num_computed = s.num_tokens - 1
     step1 = ex.launch([Chunk(s, s.num_computed, 1) for s in (a, b)])
     assert step1.captured is None, "nothing ends: no row leaves"
-    step2 = ex.launch([Chunk(s, s.num_tokens, 1, ahead=True) for s in (a, b)], prev=step1)
+    step2 = ex.launch([Chunk(a, a.num_tokens, 1, ahead=True, last_input=ending == "length"),
+                       Chunk(b, b.num_tokens, 1, ahead=True)], prev=step1)
     assert step2.captured.live, "queued ahead: both rows taken, left in the buffer"
+    ex.processed(step1)
     ex.complete(step1)
-    a.finish_reason = FinishReason.STOP  # NOTE: as if step 1 sampled EOS for a
-    step3 = ex.launch([Chunk(b, b.num_tokens + 1, 1, ahead=True)], prev=step2)
-    assert not step2.captured.live and step2.captured.block is not None, \
-        "a's row of step 2 (its last token's) was copied out before step 3's replay"
+    if ending == "finish":
+        a.finish_reason = FinishReason.STOP  # NOTE: as if step 1 sampled EOS for a
+    step3 = ex.launch([Chunk(b, b.num_tokens + 1, 1, ahead=True)], prev=step2)  # rewrites
+    return ex, step2, step3
+
+
+@pytest.mark.parametrize("ending", ["finish", "length"])
+def test_last_rows_left_in_the_graphs_buffer_are_copied_out_before_the_next_replay_if_one_ends(
+        ending):
+    """MODE=last rows of a graph step stay in the graphs' buffer (no copy per step); when the next
+    step is queued, before its replay rewrites the buffer, they are copied out because one of
+    them ends its sequence."""
+    ex, step2, step3 = last_mode_steps(ending)
+    assert ex.graphs.buffer[0, 0, 0] == 300.0, "the buffer holds step 3's rows now"
     out2 = ex.complete(step2)
     first_a, _ = out2.slices[0]
-    assert out2.captured.take(first_a, 1, (2,)).tolist() == [[0.0 + 1] * HIDDEN]
+    row = out2.captured.take(first_a, 1, (3, 0))
+    assert row.tolist() == [[200.0 + 2] * HIDDEN + [200.0] * HIDDEN], \
+        "a's row of step 2 (its last token's), layers in its order"
+    ex.processed(step2)
     assert step3.captured.live
-    step4 = ex.launch([Chunk(b, b.num_tokens + 2, 1, ahead=True)], prev=step3)
-    assert step3.captured.block is None, "no sequence of step 3 ends: its rows were dropped"
-    out3 = ex.complete(step3)
+    ex.complete(step3)
+    ex.processed(step3)
+    assert step3.captured.block is None and ex._live is None, "step 3 read: its rows let go"
+
+
+def test_last_rows_left_in_the_graphs_buffer_are_dropped_when_none_ends():
+    ex, step2, step3 = last_mode_steps("none")
+    assert step2.captured.block is None, "no sequence of step 2 ends: nothing was copied"
+    out2 = ex.complete(step2)
     with pytest.raises(RuntimeError, match="dropped"):
-        out3.captured.take(0, 1, (2,))
-    ex.complete(step4)
+        out2.captured.take(0, 1, tuple(LAYERS))
+    ex.complete(step3)
