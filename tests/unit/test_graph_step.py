@@ -165,3 +165,23 @@ def test_last_rows_left_in_the_graphs_buffer_are_dropped_when_none_ends():
     with pytest.raises(RuntimeError, match="dropped"):
         out2.captured.take(0, 1, tuple(LAYERS))
     ex.complete(step3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_take_is_a_float32_copy_of_its_rows_in_the_layers_asked(dtype):
+    """CapturedRows.take widens on the host (bfloat16 through its bits): exact, special values
+    included, and a copy: changing it leaves the block as it was."""
+    from hsserve.executor import CapturedRows
+
+    block = torch.randn(5, 3, 8)
+    block[2, 1, :4] = torch.tensor([float("inf"), -float("inf"), -0.0, -3.5])
+    block = block.to(dtype)
+    rows = CapturedRows(block, [0, 2, 5])
+    got = rows.take(1, 2, (5, 0))
+    assert got.dtype == torch.float32
+    assert torch.equal(got, block[1:3][:, [2, 0]].reshape(2, -1).float())
+    all_layers = rows.take(2, 1, (0, 2, 5))
+    assert torch.equal(all_layers, block[2:3].reshape(1, -1).float())
+    assert torch.equal(all_layers.signbit(), block[2:3].reshape(1, -1).float().signbit())
+    all_layers += 1
+    assert torch.equal(rows.take(2, 1, (0, 2, 5)), block[2:3].reshape(1, -1).float())
