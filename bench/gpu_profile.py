@@ -46,7 +46,8 @@ def print_difference(a: pstats.Stats, b: pstats.Stats, names: tuple[str, str], t
                 for fn, v in st.stats.items()}
     ra, rb = own(a), own(b)
     rows = [(rb.get(k, (0, 0, 0))[1] - ra.get(k, (0, 0, 0))[1], k) for k in set(ra) | set(rb)]
-    print(f"\n== own time per step, {names[1]} minus {names[0]} (us; calls {names[0]} / {names[1]})")
+    a_name, b_name = names
+    print(f"\n== own time per step, {b_name} minus {a_name} (us; calls {a_name} / {b_name})")
     print(f"total {1e6 * (b.total_tt - a.total_tt) / NEW:+.1f}")
     for d, k in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
         ca, cb = ra.get(k, (0,))[0], rb.get(k, (0,))[0]
@@ -109,8 +110,9 @@ def section_times(engine, batch: int, mode: HiddenStatesMode, runs: int = 3) -> 
         if best is None or res["step_ms"] < best[0]["step_ms"]:
             best = (res, spent)
     res, spent = best
-    print(f"== sections, batch {batch}, MODE={mode.name}: step {res['step_ms']:.3f} ms; us per step: "
-          + ", ".join(f"{k} {1e6 * v / NEW:.0f}" for k, v in spent.items()), flush=True)
+    parts = ", ".join(f"{k} {1e6 * v / NEW:.0f}" for k, v in spent.items())
+    print(f"== sections, batch {batch}, MODE={mode.name}: step {res['step_ms']:.3f} ms; "
+          f"us per step: {parts}", flush=True)
 
 
 def _profiled(fn, prof):

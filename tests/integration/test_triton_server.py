@@ -222,7 +222,7 @@ def test_hidden_states_in_the_declared_dtype(triton_server):
         rows[model] = (out.datatype, result.as_numpy("HIDDEN_STATES"))
     assert rows["llm"][0] == "FP32" and rows["llm_capped"][0] == "BF16"
     fp32, bf16 = rows["llm"][1], rows["llm_capped"][1].astype(np.float32)
-    expected = torch.from_numpy(fp32).to(torch.bfloat16).float().numpy()
+    expected = torch.tensor(fp32).to(torch.bfloat16).float().numpy()  # NOTE: a copy (read-only)
     np.testing.assert_array_equal(bf16, expected)
 
 
