@@ -12,7 +12,9 @@ import cProfile
 import os
 import pstats
 import sys
+import time
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,14 +26,39 @@ from shapes import random_model  # noqa: E402
 from hsserve import HiddenStatesMode  # noqa: E402
 
 
+@contextmanager
+def wrapped(methods: dict, around):
+    """For the block, each method `key: (obj, name)` runs inside the context manager around(key)."""
+    originals = {k: getattr(obj, name) for k, (obj, name) in methods.items()}
+
+    def wrap(key, fn):
+        def run(*a, **kw):
+            with around(key):
+                return fn(*a, **kw)
+        return run
+    for k, (obj, name) in methods.items():
+        setattr(obj, name, wrap(k, originals[k]))
+    try:
+        yield
+    finally:
+        for k, (obj, name) in methods.items():
+            setattr(obj, name, originals[k])
+
+
 def host_profile(engine, batch: int, top: int, mode: HiddenStatesMode) -> pstats.Stats:
     """cProfile of the engine's loop thread (installed as that thread's profiler) over one run."""
     engine_run(engine, batch, mode=mode, tag="host-warm")  # NOTE: the mode's first-run costs
     prof = cProfile.Profile()
-    step = engine._step
-    engine._step = _profiled(step, prof)
-    r = engine_run(engine, batch, mode=mode, tag="host")
-    engine._step = step
+
+    @contextmanager
+    def profiling(_key):
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+    with wrapped({"step": (engine, "_step")}, profiling):
+        r = engine_run(engine, batch, mode=mode, tag="host")
     print(f"\n== host, batch {batch}, MODE={mode.name}: step {r['step_ms']:.3f} ms "
           "(cProfile on: slower than real)")
     stats = pstats.Stats(prof)
@@ -82,7 +109,6 @@ def kernel_profile(engine, shape: str, batch: int, mode: HiddenStatesMode, top: 
 def section_times(engine, batch: int, mode: HiddenStatesMode, runs: int = 3) -> None:
     """Wall time per step of the loop's parts (perf_counter around each; ~1 us of its own): where
     the host's share of a step goes, without cProfile's overhead. Best of `runs` runs."""
-    import time
     ex = engine.executor
     parts = {"plan_ahead": (engine, "_plan_ahead"), "launch": (ex, "launch"),
              "wait": (ex, "complete"), "postprocess": (engine, "_postprocess"),
@@ -90,39 +116,22 @@ def section_times(engine, batch: int, mode: HiddenStatesMode, runs: int = 3) -> 
     best = None
     for r in range(runs):
         spent = {k: 0.0 for k in parts}
-        originals = {k: getattr(obj, name) for k, (obj, name) in parts.items()}
 
-        def timed(key, fn):
-            def run(*a, **kw):
-                t = time.perf_counter()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    spent[key] += time.perf_counter() - t
-            return run
-        for k, (obj, name) in parts.items():
-            setattr(obj, name, timed(k, originals[k]))
-        try:
+        @contextmanager
+        def timing(key, spent=spent):
+            t = time.perf_counter()
+            try:
+                yield
+            finally:
+                spent[key] += time.perf_counter() - t
+        with wrapped(parts, timing):
             res = engine_run(engine, batch, mode=mode, tag=f"sections{r}")
-        finally:
-            for k, (obj, name) in parts.items():
-                setattr(obj, name, originals[k])
         if best is None or res["step_ms"] < best[0]["step_ms"]:
             best = (res, spent)
     res, spent = best
-    parts = ", ".join(f"{k} {1e6 * v / NEW:.0f}" for k, v in spent.items())
+    line = ", ".join(f"{k} {1e6 * v / NEW:.0f}" for k, v in spent.items())
     print(f"== sections, batch {batch}, MODE={mode.name}: step {res['step_ms']:.3f} ms; "
-          f"us per step: {parts}", flush=True)
-
-
-def _profiled(fn, prof):
-    def run(*a, **kw):
-        prof.enable()
-        try:
-            return fn(*a, **kw)
-        finally:
-            prof.disable()
-    return run
+          f"us per step: {line}", flush=True)
 
 
 def main() -> None:
