@@ -409,9 +409,7 @@ class Engine:
             )
             if done:
                 self._finish(seq)
-            elif seq.finish_reason is None or seq.hidden_mode != HiddenStatesMode.LAST:
-                # NOTE: MODE=last: the last token waits for its row, one step, and goes out with
-                # it in the final delta (one delta, not two, per sequence)
+            else:
                 self._publish(seq, final=False)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
@@ -442,8 +440,13 @@ class Engine:
         """Send what is ready: tokens (with their rows in full mode) and their text."""
         p = seq.num_prompt_tokens  # NOTE: slices token_ids once (output_ids would copy them all)
         generated = ready = len(seq.token_ids) - p
-        if seq.hidden_mode == HiddenStatesMode.FULL and not final:
+        mode = seq.hidden_mode
+        if mode == HiddenStatesMode.FULL and not final:
             ready = min(ready, seq.num_rows_done - p)
+        elif mode == HiddenStatesMode.LAST and not final and seq.finish_reason is not None:
+            # NOTE: the last token waits one step for its row and goes out with it in the final
+            # delta (one delta, not two, per sequence)
+            ready -= 1
         new = ready - seq.num_tokens_sent
         if new <= 0 and not final:
             return
@@ -455,11 +458,11 @@ class Engine:
             upto = seq.text_marks.popleft()
         text = seq.stop.release(upto, final)
         hidden = None
-        if seq.hidden_mode == HiddenStatesMode.FULL and seq.pending_rows:
+        if mode == HiddenStatesMode.FULL and seq.pending_rows:
             hidden = torch.cat(seq.pending_rows)
             seq.num_rows_sent += len(hidden)
             seq.pending_rows = []
-        elif final and seq.hidden_mode == HiddenStatesMode.LAST and seq.last_row is not None:
+        elif final and mode == HiddenStatesMode.LAST and seq.last_row is not None:
             captured, first = seq.last_row
             hidden = captured.take(first, 1, seq.hidden_layers)
             seq.last_row = None
