@@ -2,7 +2,7 @@
 # Everything a GPU session measures, in one device call (carry [".whl/slim"], made by
 # bench/device_bundle.sh): the GPU tests, the tritonserver stream benchmark with the stub sampled
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
-#   bash bench/gpu_session.sh [tests|triton|triton_wait|decode|decode_sync|attn|l2|profile|host|decode1b|gemv ...]   (default: the first three)
+#   bash bench/gpu_session.sh [tests|triton|triton_wait|decode|decode_sync|attn|l2|profile|host|decode1b|gemv|ablation ...]   (default: the first three)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -38,6 +38,8 @@ for part in $parts; do
             | grep -v "^\[W" | cut -c1-150 ;;
     decode1b) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \
               --repeats 4 --no-hf --out "$OUT/h200_decode_1b.json" 2>&1 | grep "^{\|Error" ;;
+    ablation) timeout 300 python3 bench/gpu_ablation.py --out "$OUT/h200_ablation.json" 2>&1 \
+                | grep -v "^\[W" | tail -12 ;;
     gemv) timeout 240 python3 bench/gemv_pdl.py --out "$OUT/h200_gemv_pdl.json" 2>&1 | grep "^{\|Error\|error" ;;
     decode_nopdl) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \
               --repeats 3 --no-hf --no-pdl --out "$OUT/h200_decode_nopdl.json" 2>&1 | grep "^{\|Error" ;;

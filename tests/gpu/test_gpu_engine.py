@@ -202,13 +202,13 @@ def test_gpu_no_kernel_is_compiled_while_serving(tiny_dirs):
                 ids = list(range(3, 3 + n))  # NOTE: prefix-cache hits of every length
             streams.append(engine.submit(GenerationRequest(
                 f"r{i}", prompt_ids=ids,
-                sampling=SamplingParams(max_tokens=int(i % 9) + 24, ignore_eos=True))))
+                sampling=SamplingParams(max_tokens=int(i % 9) + 64, ignore_eos=True))))
             if i % 3 == 0:
                 streams[-1].result(timeout=300)
         [s.result(timeout=300) for s in streams]
         # NOTE: a precondition (prompts did arrive while others decoded), timing-dependent: the
         # requests decode long enough (max_tokens) that it holds on a fast GPU
-        assert engine.num_mixed_steps > mixed + 10, engine.num_mixed_steps - mixed
+        assert engine.num_mixed_steps > mixed + 5, engine.num_mixed_steps - mixed
         assert compiled_variants() == before
     finally:
         engine.shutdown()

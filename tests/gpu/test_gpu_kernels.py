@@ -20,6 +20,17 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
         check_decode("cuda", dtype, heads, kv_heads, head_dim, LENS, num_splits=splits, seed=seed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_attention_one_row(dtype, head_dim):
+    # batch 1 (PDL: the first tile read before the wait): contexts within one 64-key tile, at
+    # its edge, over a few tiles (fewer splits than asked), long
+    for length in [1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 5000]:
+        for splits in [None, 1, 3]:
+            check_decode("cuda", dtype, 32, 8, head_dim, [length], num_splits=splits)
+        check_decode("cuda", dtype, 32, 8, head_dim, [length], window=100)
+
+
 def test_decode_attention_sliding_window_and_big_batch():
     check_decode("cuda", torch.bfloat16, 32, 8, 128, [4096 - i * 37 for i in range(64)], window=1000)
     check_decode("cuda", torch.float32, 16, 4, 64, list(range(1, 257)))

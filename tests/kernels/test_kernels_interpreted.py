@@ -24,6 +24,15 @@ def test_decode_attention_matches_reference(heads, kv_heads, head_dim, splits):
                  num_splits=splits)
 
 
+@pytest.mark.parametrize("length", [1, 16, 64, 65, 200, 600])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_decode_attention_one_row(length, splits):
+    # a split takes one 64-key tile at least: a context within it is the first split's alone
+    # (no merge), a longer one spreads over fewer splits than asked
+    check_decode("cpu", torch.float32, 8, 2, 32, [length], num_splits=splits)
+    check_decode("cpu", torch.float32, 8, 2, 32, [length], window=50, num_splits=splits)
+
+
 def test_decode_attention_sliding_window():
     check_decode("cpu", torch.float32, 8, 2, 32, [5, 40, 70], window=24, num_splits=2)
 

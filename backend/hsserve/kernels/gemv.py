@@ -3,7 +3,7 @@
 At one row a decode step is a chain of matrix-vector products, each reading its weight once. A
 single product of 8-34 MB cannot fill the memory system on its own (cuBLAS: 6 us for the 1B
 shape's 8 MB o_proj, a third of the bandwidth), and every kernel boundary drains it. Here each
-program loads its slab of W (BLOCK_N whole rows, ~16 KB) before it waits for the previous kernel
+program loads its slab of W (BLOCK_N whole rows, ~32 KB) before it waits for the previous kernel
 (griddepcontrol.wait), and lets the next kernel launch at once (griddepcontrol.launch_dependents):
 with PDL on, the next product's weights stream in while this one finishes, as in one persistent
 kernel. The weights never depend on the previous kernel, so only x and y wait.
@@ -26,7 +26,9 @@ import triton.language as tl
 from hsserve.kernels.pdl import pdl_enter, pdl_on
 
 MAX_ROWS = 1  # NOTE: at 4 rows the 1B layer's GEMVs took 65 us against cuBLAS's 45 (H200)
-_SLAB_BYTES = 16 << 10  # NOTE: W bytes per program
+# NOTE: W bytes per program; H200, 1B shape, batch-1 graph (bench/gpu_ablation.py): 32 KB 17-25 us
+# a step faster than 16 KB, 64 KB 100 us slower
+_SLAB_BYTES = 32 << 10
 _MAX_ROW_BYTES = 32 << 10  # NOTE: one whole row of W per program at least; above this, cuBLAS
 
 

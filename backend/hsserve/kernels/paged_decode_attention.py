@@ -78,13 +78,19 @@ def _decode_split_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # NOTE: the lengths, the block tables and every key but the query's own were written before
+    # this step's first kernel: read before the wait (PDL), so that only q and the query's own
+    # key and value are read after the previous kernel is done
     seq_len = tl.load(LENS + b)
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_pages, NUM_SPLITS)
+    # NOTE: a split takes one tile at least (a short context: fewer splits, each read before
+    # the wait), so a context within one tile is the first split's alone and needs no merge
+    per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), PAGES)
+    active = tl.maximum(tl.cdiv(num_pages, per_split), 1)  # NOTE: splits with pages (merged)
+    single = active == 1
     first = split * per_split
     last = tl.minimum(first + per_split, num_pages)
     if window > 0:  # NOTE: pages wholly outside the sliding window are skipped
@@ -94,13 +100,36 @@ def _decode_split_kernel(
     d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, PAGES * BLOCK_SIZE)  # NOTE: PAGES pages per iteration: fewer, wider steps
     heads = kvh * GROUP + g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=(g < GROUP)[:, None], other=0.0)
+    pos = seq_len - 1
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    pos = seq_len - 1
-    for page0 in range(first, last, PAGES):
+    start = first
+    if PDL:  # NOTE: the first tile's older keys are read before the wait (only with PDL does
+        # anything run before the previous kernel is done); the loop after it, as without PDL
+        page = first + n // BLOCK_SIZE
+        keys = page * BLOCK_SIZE + n % BLOCK_SIZE
+        visible = (page < last) & (keys <= pos)
+        if window > 0:
+            visible = visible & (keys > pos - window)
+        block = tl.load(TABLES + b * stride_tb + page, mask=page < last, other=0).to(tl.int64)
+        base = KV + block * stride_block + kvh * stride_head + (n % BLOCK_SIZE) * stride_tok
+        old = (visible & (keys < pos))[:, None]
+        k = tl.load(base[:, None] + d[None, :], mask=old, other=0.0)
+        v = tl.load(base[:, None] + stride_half + d[None, :], mask=old, other=0.0)
+        pdl_enter(PDL)
+        own = (visible & (keys == pos))[:, None]
+        k = tl.where(own, tl.load(base[:, None] + d[None, :], mask=own, other=0.0), k)
+        v = tl.where(own, tl.load(base[:, None] + stride_half + d[None, :], mask=own, other=0.0),
+                     v)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=(g < GROUP)[:, None], other=0.0)
+        m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
+        start = first + PAGES
+    else:
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=(g < GROUP)[:, None], other=0.0)
+    for page0 in range(start, last, PAGES):
         page = page0 + n // BLOCK_SIZE
         keys = page * BLOCK_SIZE + n % BLOCK_SIZE
         visible = (page < last) & (keys <= pos)
@@ -116,30 +145,45 @@ def _decode_split_kernel(
         tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(OUT.dtype.element_ty), mask=(g < GROUP)[:, None])
         return
+    if single:
+        if split == 0:
+            o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+            tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     o.to(OUT.dtype.element_ty), mask=(g < GROUP)[:, None])
+    elif split < active:
+        _write_and_merge(ACC, STATS, OUT, COUNTERS, acc, m, l, b, kvh, split, active, heads,
+                         g < GROUP, d, stride_ab, stride_ah, stride_as, stride_sb, stride_sh,
+                         stride_ss, stride_ob, stride_oh, SPLITS_PAD)
+
+
+@triton.jit
+def _write_and_merge(ACC, STATS, OUT, COUNTERS, acc, m, l, b, kvh, split, active, heads, valid,
+                     d, stride_ab, stride_ah, stride_as, stride_sb, stride_sh, stride_ss,
+                     stride_ob, stride_oh, SPLITS_PAD: tl.constexpr):
+    """Store this split's (acc, m, l); the last of the `active` splits of (sequence, KV head)
+    to finish merges them (no merge kernel; the splits without pages take no part)."""
     out = ACC + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + d[None, :]
-    tl.store(out, acc, mask=(g < GROUP)[:, None])
+    tl.store(out, acc, mask=valid[:, None])
     stats = STATS + b * stride_sb + heads * stride_sh + split * stride_ss
-    tl.store(stats, m, mask=g < GROUP)
-    tl.store(stats + 1, l, mask=g < GROUP)
-    # NOTE: the last split of (sequence, KV head) to finish merges them all (no merge kernel);
-    # the counter's acq_rel add orders the other splits' stores before the loads below
+    tl.store(stats, m, mask=valid)
+    tl.store(stats + 1, l, mask=valid)
+    # NOTE: the counter's acq_rel add orders the other splits' stores before the loads below
     counter = COUNTERS + b * tl.num_programs(1) + kvh
     tl.debug_barrier()  # NOTE: every thread's stores above come before the add
-    if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:
-        _merge_splits(ACC, STATS, OUT, b, heads, g < GROUP, d, stride_ab, stride_ah, stride_as,
-                      stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, NUM_SPLITS,
-                      SPLITS_PAD)
+    if tl.atomic_add(counter, 1) == active - 1:
+        _merge_splits(ACC, STATS, OUT, b, heads, valid, d, stride_ab, stride_ah, stride_as,
+                      stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, active, SPLITS_PAD)
         tl.store(counter, 0)  # NOTE: zero again for the next call (a graph replays it)
 
 
 @triton.jit
 def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, stride_ab, stride_ah, stride_as,
-                  stride_sb, stride_sh, stride_ss, stride_ob, stride_oh,
-                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                  stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, num_splits,
+                  SPLITS_PAD: tl.constexpr):
     """out = sum over splits of acc * exp(m - max m) / sum of l * exp(m - max m), for the
     group's heads (rows) at once; a split that saw no key has m = -inf and weighs nothing."""
     s = tl.arange(0, SPLITS_PAD)
-    mask = valid[:, None] & (s < NUM_SPLITS)[None, :]
+    mask = valid[:, None] & (s < num_splits)[None, :]
     stats = STATS + b * stride_sb + heads[:, None] * stride_sh + s[None, :] * stride_ss
     m = tl.load(stats, mask=mask, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(stats + 1, mask=mask, other=0.0, cache_modifier=".cg")
