@@ -111,13 +111,8 @@ def _decode_split_kernel(
     start = first
     if PDL:  # NOTE: the first tile's older keys are read before the wait (only with PDL does
         # anything run before the previous kernel is done); the loop after it, as without PDL
-        page = first + n // BLOCK_SIZE
-        keys = page * BLOCK_SIZE + n % BLOCK_SIZE
-        visible = (page < last) & (keys <= pos)
-        if window > 0:
-            visible = visible & (keys > pos - window)
-        block = tl.load(TABLES + b * stride_tb + page, mask=page < last, other=0).to(tl.int64)
-        base = KV + block * stride_block + kvh * stride_head + (n % BLOCK_SIZE) * stride_tok
+        keys, visible, base = _tile(first, last, pos, window, n, b, kvh, TABLES, KV, stride_tb,
+                                    stride_block, stride_tok, stride_head, BLOCK_SIZE)
         old = (visible & (keys < pos))[:, None]
         k = tl.load(base[:, None] + d[None, :], mask=old, other=0.0)
         v = tl.load(base[:, None] + stride_half + d[None, :], mask=old, other=0.0)
@@ -126,38 +121,42 @@ def _decode_split_kernel(
         k = tl.where(own, tl.load(base[:, None] + d[None, :], mask=own, other=0.0), k)
         v = tl.where(own, tl.load(base[:, None] + stride_half + d[None, :], mask=own, other=0.0),
                      v)
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUP)[:, None], other=0.0)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None], other=0.0)
+    if PDL:
         m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
         start = first + PAGES
-    else:
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUP)[:, None], other=0.0)
     for page0 in range(start, last, PAGES):
-        page = page0 + n // BLOCK_SIZE
-        keys = page * BLOCK_SIZE + n % BLOCK_SIZE
-        visible = (page < last) & (keys <= pos)
-        if window > 0:
-            visible = visible & (keys > pos - window)
-        block = tl.load(TABLES + b * stride_tb + page, mask=page < last, other=0).to(tl.int64)
-        base = KV + block * stride_block + kvh * stride_head + (n % BLOCK_SIZE) * stride_tok
+        keys, visible, base = _tile(page0, last, pos, window, n, b, kvh, TABLES, KV, stride_tb,
+                                    stride_block, stride_tok, stride_head, BLOCK_SIZE)
         k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0)
         m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
-    if NUM_SPLITS == 1:  # NOTE: the whole sequence in this program: normalize, no merge
-        o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 o.to(OUT.dtype.element_ty), mask=(g < GROUP)[:, None])
-        return
     if single:
         if split == 0:
             o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
             tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      o.to(OUT.dtype.element_ty), mask=(g < GROUP)[:, None])
-    elif split < active:
-        _write_and_merge(ACC, STATS, OUT, COUNTERS, acc, m, l, b, kvh, split, active, heads,
-                         g < GROUP, d, stride_ab, stride_ah, stride_as, stride_sb, stride_sh,
-                         stride_ss, stride_ob, stride_oh, SPLITS_PAD)
+    elif NUM_SPLITS > 1:  # NOTE: with one split (a batch that fills the GPU) always single
+        if split < active:
+            _write_and_merge(ACC, STATS, OUT, COUNTERS, acc, m, l, b, kvh, split, active, heads,
+                             g < GROUP, d, stride_ab, stride_ah, stride_as, stride_sb, stride_sh,
+                             stride_ss, stride_ob, stride_oh, SPLITS_PAD)
+
+
+@triton.jit
+def _tile(page0, last, pos, window, n, b, kvh, TABLES, KV, stride_tb, stride_block, stride_tok,
+          stride_head, BLOCK_SIZE: tl.constexpr):
+    """The tile of keys from page page0 on: (each key's position, whether the query sees it, its
+    row's address in the cache)."""
+    page = page0 + n // BLOCK_SIZE
+    keys = page * BLOCK_SIZE + n % BLOCK_SIZE
+    visible = (page < last) & (keys <= pos)
+    if window > 0:
+        visible = visible & (keys > pos - window)
+    block = tl.load(TABLES + b * stride_tb + page, mask=page < last, other=0).to(tl.int64)
+    base = KV + block * stride_block + kvh * stride_head + (n % BLOCK_SIZE) * stride_tok
+    return keys, visible, base
 
 
 @triton.jit
