@@ -31,13 +31,18 @@ def make_inputs(batch, ctx, heads, kv_heads, head_dim, block_size, dtype, device
     return q, kv, tables.to(device, torch.int32), lens.to(device)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def shape_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The batch shape's options (1B shape's heads by default)."""
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=192)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
+    return ap
+
+
+def main() -> None:
+    ap = shape_args(argparse.ArgumentParser())
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeats", type=int, default=50)

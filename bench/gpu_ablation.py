@@ -128,6 +128,13 @@ def _slabs(qkv: int, o: int, gate_up: int, down: int, warps: int | None = None):
     return config
 
 
+def _attention_config(tokens: int, warps: int, stages: int):
+    """The batch-1 (PDL) decode attention's launch configuration."""
+    from hsserve.kernels import paged_decode_attention as pda
+
+    return [(pda, "_PDL_CONFIG", (tokens, warps, stages))]
+
+
 @_decode_only
 def _no_attention(q, kv, batch, scale, window):
     return q
@@ -163,6 +170,11 @@ VARIANTS = {
     "s32_splits8": [(G, "_SLAB_BYTES", 32 << 10)] + _splits(8),
     "s32_splits4": [(G, "_SLAB_BYTES", 32 << 10)] + _splits(4),
     "s32_splits2": [(G, "_SLAB_BYTES", 32 << 10)] + _splits(2),
+    "attn_64_4_1": _attention_config(64, 4, 1),
+    "attn_32_4_1": _attention_config(32, 4, 1),
+    "attn_64_4_2": _attention_config(64, 4, 2),
+    "attn_64_4_1_splits4": _attention_config(64, 4, 1) + _splits(4),
+    "attn_32_4_1_splits8": _attention_config(32, 4, 1) + _splits(8),
     "warps2": [(G, "gemv_config", _warps(2))],
     "warps8": [(G, "gemv_config", _warps(8))],
 }

@@ -7,8 +7,8 @@
   head, each keeps an online softmax (max, sum, weighted values) over its pages for every query
   head of the KV head's group at once (GQA: the group's heads share each K/V load), 64 keys (whole
   pages) per loop step (one page per step left the kernel waiting on memory at batch 64); the
-  last split of a (sequence, KV head) to finish, counted on an atomic counter, merges them (a
-  merge kernel had cost ~1.5 us a layer at batch 1); with one split (a batch that fills the GPU)
+  last split of a (sequence, KV head) to finish, counted on an atomic counter, merges them, four
+  splits per load (a merge kernel had cost ~1.5 us a layer at batch 1); with one split (a batch that fills the GPU)
   the program writes the output itself. A split takes one tile at least, so a short context runs
   on fewer splits (one: no merge); under PDL (batch 1) a split reads its first tile's older keys
   before it waits for the previous kernel, then only q and the query's own key and value (H200,
@@ -73,7 +73,7 @@ def _decode_split_kernel(
     stride_ab, stride_ah, stride_as,
     stride_sb, stride_sh, stride_ss,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -95,6 +95,8 @@ def _decode_split_kernel(
     per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), PAGES)
     active = tl.maximum(tl.cdiv(num_pages, per_split), 1)  # NOTE: splits with pages (merged)
     single = active == 1
+    if split >= active:
+        return  # NOTE: no pages: nothing to read, merge or wait for (ends at once; PDL allows it)
     first = split * per_split
     last = tl.minimum(first + per_split, num_pages)
     if window > 0:  # NOTE: pages wholly outside the sliding window are skipped
@@ -132,16 +134,14 @@ def _decode_split_kernel(
         k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0)
         m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
-    if single:
-        if split == 0:
-            o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-            tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     o.to(OUT.dtype.element_ty), mask=(g < GROUP)[:, None])
+    if single:  # NOTE: split 0, the only active one
+        o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=(g < GROUP)[:, None])
     elif NUM_SPLITS > 1:  # NOTE: with one split (a batch that fills the GPU) always single
-        if split < active:
-            _write_and_merge(ACC, STATS, OUT, COUNTERS, acc, m, l, b, kvh, split, active, heads,
-                             g < GROUP, d, stride_ab, stride_ah, stride_as, stride_sb, stride_sh,
-                             stride_ss, stride_ob, stride_oh, SPLITS_PAD)
+        _write_and_merge(ACC, STATS, OUT, COUNTERS, acc, m, l, b, kvh, split, active, heads,
+                         g < GROUP, d, stride_ab, stride_ah, stride_as, stride_sb, stride_sh,
+                         stride_ss, stride_ob, stride_oh, MERGE_CHUNK)
 
 
 @triton.jit
@@ -162,7 +162,7 @@ def _tile(page0, last, pos, window, n, b, kvh, TABLES, KV, stride_tb, stride_blo
 @triton.jit
 def _write_and_merge(ACC, STATS, OUT, COUNTERS, acc, m, l, b, kvh, split, active, heads, valid,
                      d, stride_ab, stride_ah, stride_as, stride_sb, stride_sh, stride_ss,
-                     stride_ob, stride_oh, SPLITS_PAD: tl.constexpr):
+                     stride_ob, stride_oh, MERGE_CHUNK: tl.constexpr):
     """Store this split's (acc, m, l); the last of the `active` splits of (sequence, KV head)
     to finish merges them (no merge kernel; the splits without pages take no part)."""
     out = ACC + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + d[None, :]
@@ -174,35 +174,54 @@ def _write_and_merge(ACC, STATS, OUT, COUNTERS, acc, m, l, b, kvh, split, active
     counter = COUNTERS + b * tl.num_programs(1) + kvh
     tl.debug_barrier()  # NOTE: every thread's stores above come before the add
     if tl.atomic_add(counter, 1) == active - 1:
-        _merge_splits(ACC, STATS, OUT, b, heads, valid, d, stride_ab, stride_ah, stride_as,
-                      stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, active, SPLITS_PAD)
+        _merge_splits(ACC, STATS, OUT, b, heads, valid, d, m, acc, stride_ab, stride_ah,
+                      stride_as, stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, active,
+                      MERGE_CHUNK)
         tl.store(counter, 0)  # NOTE: zero again for the next call (a graph replays it)
 
 
 @triton.jit
-def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, stride_ab, stride_ah, stride_as,
-                  stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, num_splits,
-                  SPLITS_PAD: tl.constexpr):
+def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, like_m, like_acc, stride_ab, stride_ah,
+                  stride_as, stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, num_splits,
+                  CHUNK: tl.constexpr):
     """out = sum over splits of acc * exp(m - max m) / sum of l * exp(m - max m), for the
-    group's heads (rows) at once; a split that saw no key has m = -inf and weighs nothing."""
-    s = tl.arange(0, SPLITS_PAD)
-    mask = valid[:, None] & (s < num_splits)[None, :]
-    stats = STATS + b * stride_sb + heads[:, None] * stride_sh + s[None, :] * stride_ss
-    m = tl.load(stats, mask=mask, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(stats + 1, mask=mask, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, 1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max[:, None]))
-    acc = tl.load(ACC + b * stride_ab + heads[:, None, None] * stride_ah
-                  + s[None, :, None] * stride_as + d[None, None, :],
-                  mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
-    total = tl.sum(w * l, 1)
-    o = tl.sum(acc * w[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    group's heads (rows) at once, CHUNK splits at a time with a running max: a short context's
+    few splits in one load (the merging program is on the step's critical path: one split at a
+    time, or all 16 padded at once, cost 15-20 us a batch-1 step on the H200); a split that saw
+    no key has m = -inf and weighs nothing. like_m / like_acc: tensors of the running stats' /
+    output's shape."""
+    c = tl.arange(0, CHUNK)
+    stats = STATS + b * stride_sb + heads[:, None] * stride_sh + c[None, :] * stride_ss
+    part = (ACC + b * stride_ab + heads[:, None, None] * stride_ah + c[None, :, None] * stride_as
+            + d[None, None, :])
+    m_run = tl.zeros_like(like_m) - float("inf")
+    l_run = tl.zeros_like(like_m)
+    o = tl.zeros_like(like_acc)
+    for s0 in range(0, num_splits, CHUNK):
+        mask = valid[:, None] & (s0 + c < num_splits)[None, :]
+        m = tl.load(stats + s0 * stride_ss, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(stats + s0 * stride_ss + 1, mask=mask, other=0.0, cache_modifier=".cg")
+        a = tl.load(part + s0 * stride_as, mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        c_run = tl.exp(m_run - ref)  # NOTE: exp(-inf) = 0: no weight
+        w = tl.exp(m - ref[:, None])
+        o = o * c_run[:, None] + tl.sum(a * w[:, :, None], 1)
+        l_run = l_run * c_run + tl.sum(l * w, 1)
+        m_run = m_new
+    o = o / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
     tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
              o.to(OUT.dtype.element_ty), mask=valid[:, None])
 
 
-_TOKENS_PER_STEP = 64  # NOTE: keys per loop step of a split (whole pages)
+# NOTE: (keys per loop step of a split (whole pages), num_warps, num_stages), without and with PDL;
+# H200, 1B shape, 192 keys, 16 layers' caches in a graph (bench/attention_tune.py): batch 64 at
+# 64 keys / 4 warps 10.4-10.8 us for 2-4 stages (32 or 128 keys, 2 or 8 warps: 11.5-16); at 1024
+# keys 128 keys a step was 7% faster. Batch 1 (PDL, 16 splits) alone 3.8 us at 3 stages, 3.4 at 1,
+# but in the step's graph (bench/gpu_ablation.py) 1 or 2 stages, 32 keys: no gain beyond noise
+_CONFIG = (64, 4, 3)
+_PDL_CONFIG = (64, 4, 3)
+_MERGE_CHUNK = 4  # NOTE: splits merged per load (see _merge_splits)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_pages: int, num_sms: int = 132) -> int:
@@ -222,11 +241,13 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """q [B, heads, head_dim]; kv one layer [2, blocks, block_size, kv_heads, head_dim];
     block_tables [B, max_pages] int32; seq_lens [B] int32 (keys 0..len-1 visible; the query is
     at position len-1). Returns [B, heads, head_dim] in q's dtype. counters: int32 zeros, at
-    least B * kv_heads, which the kernel leaves zero (a CUDA graph's buffer); None: allocated."""
+    least B * kv_heads, which the kernel leaves zero (a CUDA graph's buffer); None: allocated.
+    config: (keys per loop step, num_warps, num_stages), for tuning; None: the defaults."""
     bsz, heads, d = q.shape
     _, _, block_size, kv_heads, _ = kv.shape
     group = heads // kv_heads
@@ -241,6 +262,7 @@ def paged_decode_attention(
         counters = torch.zeros(bsz * kv_heads, dtype=torch.int32, device=q.device)
     assert counters.numel() >= bsz * kv_heads and counters.dtype == torch.int32
     pdl = pdl_on(q)
+    tokens, warps, stages = config or (_PDL_CONFIG if pdl else _CONFIG)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
         q, kv, block_tables, seq_lens, acc, stats, out, counters,
         scale, window or 0,
@@ -251,13 +273,13 @@ def paged_decode_attention(
         acc.stride(0), acc.stride(1), acc.stride(2),
         stats.stride(0), stats.stride(1), stats.stride(2),
         NUM_SPLITS=num_splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        MERGE_CHUNK=max(2, min(_MERGE_CHUNK, triton.next_power_of_2(num_splits))),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
         HEAD_DIM=d,
-        PAGES=max(1, _TOKENS_PER_STEP // block_size),
+        PAGES=max(1, tokens // block_size),
         IEEE=q.dtype == torch.float32,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     return out

@@ -2,13 +2,19 @@
 
 On x86 CPUs torch's default fp32 GEMM goes through MKL, which runs small-M products (decode
 batches) far below the core's FMA rate; oneDNN's packed-weight linear (the op torch's own
-compiler uses for frozen CPU graphs) measured 1.6-2x faster here at M = 1..32. The packed copy
-replaces the dense weight; the torch fallback (F.linear) is used elsewhere and as the oracle.
+compiler uses for frozen CPU graphs) measured 1.6-2x faster at M = 2..32 on AMD and Intel 2-core
+machines. The packed copy replaces the dense weight; the torch fallback (F.linear) is used
+elsewhere and as the oracle. One row (batch-1 decode) is a matrix-vector product, where MKL's
+GEMV is the faster one on some CPUs (Intel AVX-512: ~25% per layer) and far slower on others
+(AMD): at load one_row_dense_wins times both on the model's own weights, and where MKL wins (and
+the weights are small enough to hold twice) the dense weight stays for one-row inputs.
 On CUDA a few rows (decode at small batch) go through our GEMV kernel (kernels/gemv.py), which
 beats cuBLAS there; more rows through cuBLAS.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +23,9 @@ from torch import nn
 from hsserve.kernels.gemv import gemv, gemv_fits
 
 _PACK_BATCH_HINT = 32  # NOTE: measured best across M = 1..2048 on a 2-core AVX2 machine
+# NOTE: the dense copy doubles the linears' memory: kept only up to this many bytes of them
+_KEEP_DENSE_MAX_BYTES = 2 << 30
+_DENSE_MARGIN = 0.9  # NOTE: MKL must be 10% faster at one row to be kept (timing noise)
 
 
 def _packing_available() -> bool:
@@ -33,7 +42,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b); with `into`, added to it in place and returned (on CUDA by the GEMM
         itself: an out-of-place add would cost a copy kernel)."""
-        if self.packed is not None:
+        if self.packed is not None and (self.weight is None or x.numel() != x.shape[-1]):
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y if into is None else into.add_(y)
         if self.takes_gemv(x):
@@ -49,19 +58,56 @@ class Linear(nn.Module):
         GEMV-and-epilogue kernels of the decoder ask the same."""
         return self.bias is None and gemv_fits(x, self.weight)
 
-    def pack(self, weight: torch.Tensor | None = None) -> None:
-        """Replace the dense weight by a oneDNN-packed copy (CPU, float32)."""
-        w = self.weight if weight is None else weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
-        self.weight = None
+    def pack(self, keep_dense: bool = False) -> None:
+        """Add a oneDNN-packed copy of the weight (CPU, float32), used for inputs of more than one
+        row, or for all of them once the dense weight is dropped (keep_dense False)."""
+        w = self.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+        if not keep_dense:
+            self.weight = None
 
 
-def pack_for_cpu(model: nn.Module) -> bool:
-    """Pack every Linear of a float32 CPU model; False (nothing done) where not applicable."""
+def one_row_dense_wins(same_shape: list[Linear], rounds: int = 3) -> bool:
+    """Whether MKL's dense product (F.linear) beats the packed one for a single row, timed over
+    the given layers of one shape (packed, weights kept) in turn, so that each product reads its
+    weight from memory as a decode step does; the best of `rounds` rounds of each."""
+    x = torch.randn(1, same_shape[0].weight.shape[1])
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for m in same_shape:
+                fn(m)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    dense = best(lambda m: F.linear(x, m.weight, m.bias))
+    packed = best(lambda m: torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], ""))
+    return dense < _DENSE_MARGIN * packed
+
+
+def pack_for_cpu(model: nn.Module, keep_dense: bool | None = None) -> bool:
+    """Pack every Linear of a float32 CPU model, and keep the dense weights for one-row inputs
+    when keep_dense (None: decided here per weight shape, kept where one_row_dense_wins, if all
+    the linears take at most _KEEP_DENSE_MAX_BYTES); False (nothing done) where packing does
+    not apply."""
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32 or not _packing_available():
         return False
-    for m in model.modules():
-        if isinstance(m, Linear) and m.weight is not None:
-            m.pack()
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None]
+    measure = keep_dense is None
+    if measure:
+        size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        keep_dense = size <= _KEEP_DENSE_MAX_BYTES
+    for m in linears:
+        m.pack(keep_dense=keep_dense)
+    if measure and keep_dense:
+        by_shape: dict[tuple[int, ...], list[Linear]] = {}
+        for m in linears:
+            by_shape.setdefault(tuple(m.weight.shape), []).append(m)
+        for group in by_shape.values():
+            if not one_row_dense_wins(group):
+                for m in group:
+                    m.weight = None
     return True
