@@ -5,16 +5,16 @@ batches) far below the core's FMA rate; oneDNN's packed-weight linear (the op to
 compiler uses for frozen CPU graphs) measured 1.6-2x faster at M = 2..32 on AMD and Intel 2-core
 machines. The packed copy replaces the dense weight; the torch fallback (F.linear) is used
 elsewhere and as the oracle. One row (batch-1 decode) is a matrix-vector product, where MKL's
-GEMV is the faster one on some CPUs (Intel AVX-512: ~25% per layer) and far slower on others
-(AMD): at load one_row_dense_wins times both on the model's own weights, and where MKL wins (and
-the weights are small enough to hold twice) the dense weight stays for one-row inputs.
+GEMV is the faster one on Intel CPUs (2-core Xeon, AVX-512: 20-40% on the default model's layer
+shapes) and the slower one on AMD (where MKL takes generic paths): on Intel, for models whose
+linears are small enough to hold twice, the dense weight stays for one-row inputs. Decided by
+the CPU's vendor, never by timing, so that every process on a machine computes the same bits
+(the server's engine and a client's reference engine are compared exactly in the tests).
 On CUDA a few rows (decode at small batch) go through our GEMV kernel (kernels/gemv.py), which
 beats cuBLAS there; more rows through cuBLAS.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,6 @@ from hsserve.kernels.gemv import gemv, gemv_fits
 _PACK_BATCH_HINT = 32  # NOTE: measured best across M = 1..2048 on a 2-core AVX2 machine
 # NOTE: the dense copy doubles the linears' memory: kept only up to this many bytes of them
 _KEEP_DENSE_MAX_BYTES = 2 << 30
-_DENSE_MARGIN = 0.9  # NOTE: MKL must be 10% faster at one row to be kept (timing noise)
 
 
 def _packing_available() -> bool:
@@ -67,47 +66,30 @@ class Linear(nn.Module):
             self.weight = None
 
 
-def one_row_dense_wins(same_shape: list[Linear], rounds: int = 3) -> bool:
-    """Whether MKL's dense product (F.linear) beats the packed one for a single row, timed over
-    the given layers of one shape (packed, weights kept) in turn, so that each product reads its
-    weight from memory as a decode step does; the best of `rounds` rounds of each."""
-    x = torch.randn(1, same_shape[0].weight.shape[1])
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            for m in same_shape:
-                fn(m)
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    dense = best(lambda m: F.linear(x, m.weight, m.bias))
-    packed = best(lambda m: torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], ""))
-    return dense < _DENSE_MARGIN * packed
+def mkl_gemv_preferred() -> bool:
+    """Whether one-row products go through MKL (F.linear) rather than the packed weight: on an
+    Intel CPU (its vendor in /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return "GenuineIntel" in line
+    except OSError:
+        pass
+    return False
 
 
 def pack_for_cpu(model: nn.Module, keep_dense: bool | None = None) -> bool:
     """Pack every Linear of a float32 CPU model, and keep the dense weights for one-row inputs
-    when keep_dense (None: decided here per weight shape, kept where one_row_dense_wins, if all
-    the linears take at most _KEEP_DENSE_MAX_BYTES); False (nothing done) where packing does
-    not apply."""
+    when keep_dense (None: where mkl_gemv_preferred and all the linears take at most
+    _KEEP_DENSE_MAX_BYTES); False (nothing done) where packing does not apply."""
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32 or not _packing_available():
         return False
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None]
-    measure = keep_dense is None
-    if measure:
+    if keep_dense is None:
         size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        keep_dense = size <= _KEEP_DENSE_MAX_BYTES
+        keep_dense = size <= _KEEP_DENSE_MAX_BYTES and mkl_gemv_preferred()
     for m in linears:
         m.pack(keep_dense=keep_dense)
-    if measure and keep_dense:
-        by_shape: dict[tuple[int, ...], list[Linear]] = {}
-        for m in linears:
-            by_shape.setdefault(tuple(m.weight.shape), []).append(m)
-        for group in by_shape.values():
-            if not one_row_dense_wins(group):
-                for m in group:
-                    m.weight = None
     return True
