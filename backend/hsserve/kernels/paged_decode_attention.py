@@ -8,12 +8,12 @@
   head of the KV head's group at once (GQA: the group's heads share each K/V load), 64 keys (whole
   pages) per loop step (one page per step left the kernel waiting on memory at batch 64); the
   last split of a (sequence, KV head) to finish, counted on an atomic counter, merges them, four
-  splits per load (a merge kernel had cost ~1.5 us a layer at batch 1); with one split (a batch that fills the GPU)
-  the program writes the output itself. A split takes one tile at least, so a short context runs
-  on fewer splits (one: no merge); under PDL (batch 1) a split reads its first tile's older keys
-  before it waits for the previous kernel, then only q and the query's own key and value (H200,
-  1B shape: in the step the attention costs its latency, not its bandwidth or program count;
-  bench/gpu_ablation.py). A sequence of length 0 (padding) yields zeros.
+  splits per load (a merge kernel had cost ~1.5 us a layer at batch 1); with one split (a batch
+  that fills the GPU) the program writes the output itself. A split takes one tile at least, so a
+  short context runs on fewer splits (one: no merge); under PDL (batch 1) a split reads its first
+  tile's older keys before it waits for the previous kernel, then only q and the query's own key
+  and value (H200, 1B shape: in the step the attention costs its latency, not its bandwidth or
+  program count; bench/gpu_ablation.py). A sequence of length 0 (padding) yields zeros.
 
 The torch reference (paged_attention_ref.py) is the oracle in tests.
 """
