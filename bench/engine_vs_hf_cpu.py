@@ -5,7 +5,9 @@ Default: SmolLM2-135M float32 on the CPU, batch 1 / 8 / 32, 64-token prompts, 64
 from submit to the last token (prefill included), median of --repeats.
 
 transformers runs in a child process: two threads that both run torch's OpenMP regions in one
-process slow each other down on a 2-core machine, which would skew either side.
+process slow each other down on a 2-core machine, which would skew either side. The two sides
+take turns, one engine run then one transformers run of the same batch size, so that a VM whose
+speed drifts over minutes (ours do) shifts both sides alike; each pair's ratio is kept too.
 
     python bench/engine_vs_hf_cpu.py [--batches 1 8 32] [--repeats 3]
 """
@@ -13,7 +15,6 @@ process slow each other down on a 2-core machine, which would skew either side.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -59,37 +60,68 @@ def hf_run(model, batch: list[list[int]], new: int) -> float:
 
 
 def hf_part(args) -> None:
-    """Child process: transformers tok/s per batch, printed as one json line."""
+    """Child process: runs transformers generate on the batch size each stdin line names and
+    prints its tok/s as one line, until stdin closes."""
     from transformers import AutoModelForCausalLM
 
     folder = model_folder(EngineConfig(model=args.model))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
     hf_run(hf, prompts(2, args.prompt_len, vocab), 8)
-    out = {}
-    for b in args.batches:
-        batch = prompts(b, args.prompt_len, vocab)
-        out[b] = statistics.median(hf_run(hf, batch, args.new) for _ in range(args.repeats))
-    print("HF_RESULT " + json.dumps(out), flush=True)
+    print("HF_READY", flush=True)
+    for line in sys.stdin:
+        b = int(line)
+        print(f"HF_RESULT {hf_run(hf, prompts(b, args.prompt_len, vocab), args.new)}", flush=True)
 
 
-def engine_part(args) -> tuple[dict[int, float], Engine]:
+class HFChild:
+    """The transformers side in its own process, one run per call."""
+
+    def __init__(self, args):
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--hf-only", "--model", args.model, "--prompt-len",
+             str(args.prompt_len), "--new", str(args.new)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read("HF_READY")
+
+    def _read(self, tag: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag):].strip()
+        raise RuntimeError(f"transformers child ended (exit {self.proc.wait()})")
+
+    def run(self, batch: int) -> float:
+        self.proc.stdin.write(f"{batch}\n")
+        self.proc.stdin.flush()
+        return float(self._read("HF_RESULT"))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def measure(args) -> tuple[dict[int, list[tuple[float, float]]], Engine]:
+    """Per batch size, --repeats pairs (engine tok/s, transformers tok/s) run back to back."""
     config = EngineConfig(model=args.model, device="cpu", dtype="float32",
                           max_num_seqs=max(args.batches))
     engine = Engine(config).start()
+    hf = HFChild(args)
     vocab = engine.spec.vocab_size
     try:
         engine_run(engine, prompts(2, args.prompt_len, vocab), 8, "warm")
-        out = {}
+        pairs: dict[int, list[tuple[float, float]]] = {}
         for b in args.batches:
-            out[b] = statistics.median(
-                engine_run(engine, prompts(b, args.prompt_len, vocab, r), args.new, f"b{b}r{r}-")
-                for r in range(args.repeats)
-            )
-            print(f"engine batch {b}: {out[b]:.1f} tok/s", flush=True)
+            pairs[b] = []
+            for r in range(args.repeats):
+                ours = engine_run(engine, prompts(b, args.prompt_len, vocab, r), args.new,
+                                  f"b{b}r{r}-")
+                pairs[b].append((ours, hf.run(b)))
+                print(f"batch {b} repeat {r}: engine {ours:.1f} tok/s, transformers "
+                      f"{pairs[b][-1][1]:.1f}", flush=True)
     finally:
+        hf.close()
         engine.shutdown()
-    return out, engine
+    return pairs, engine
 
 
 def main() -> None:
@@ -105,22 +137,17 @@ def main() -> None:
     if args.hf_only:
         hf_part(args)
         return
-    ours, engine = engine_part(args)
-    child = subprocess.run(
-        [sys.executable, __file__, "--hf-only", "--model", args.model, "--batches",
-         *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new", str(args.new),
-         "--repeats", str(args.repeats)],
-        check=True, capture_output=True, text=True,
-    )
-    line = [x for x in child.stdout.splitlines() if x.startswith("HF_RESULT ")][-1]
-    theirs = {int(k): v for k, v in json.loads(line.split(" ", 1)[1]).items()}
+    pairs, engine = measure(args)
     rows = []
     for b in args.batches:
+        ours = statistics.median(e for e, _ in pairs[b])
+        theirs = statistics.median(h for _, h in pairs[b])
         rows.append({
             "batch": b,
-            "engine_tok_s": round(ours[b], 1),
-            "transformers_tok_s": round(theirs[b], 1),
-            "speedup": round(ours[b] / theirs[b], 2),
+            "engine_tok_s": round(ours, 1),
+            "transformers_tok_s": round(theirs, 1),
+            "speedup": round(ours / theirs, 2),
+            "pair_speedups": [round(e / h, 2) for e, h in pairs[b]],
         })
     spec = engine.spec
     write_result(args.out, {

@@ -175,6 +175,10 @@ VARIANTS = {
     "attn_64_4_2": _attention_config(64, 4, 2),
     "attn_64_4_1_splits4": _attention_config(64, 4, 1) + _splits(4),
     "attn_32_4_1_splits8": _attention_config(32, 4, 1) + _splits(8),
+    # NOTE: one split's tile holds a short context whole (read before the PDL wait, no merge)
+    "attn_128_8_1": _attention_config(128, 8, 1),
+    "attn_256_8_1": _attention_config(256, 8, 1),
+    "attn_256_16_1": _attention_config(256, 16, 1),
     "warps2": [(G, "gemv_config", _warps(2))],
     "warps8": [(G, "gemv_config", _warps(8))],
 }

@@ -207,6 +207,10 @@ def check_argmax(device, rows, vocab, seed=0):
         x[2] = float("-inf")
     x = x.to(device)
     assert torch.equal(argmax_triton(x), x.argmax(dim=-1))
+    buf = torch.full((rows + 2,), -1, dtype=torch.int64, device=device)
+    assert argmax_triton(x, out=buf[1 : rows + 1]).data_ptr() == buf[1:].data_ptr()
+    assert torch.equal(buf[1 : rows + 1], x.argmax(dim=-1)), "written into the given out"
+    assert buf[0] == -1 and buf[-1] == -1, "nothing written outside out"
 
 
 def check_gemv(device, dtype, rows, n, k, seed=0):

@@ -244,10 +244,16 @@ class Executor:
         tokens = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
+            # NOTE: on CUDA written where the next step queued ahead reads its inputs (no copy
+            # kernel); on the CPU download() returns the tensor itself, so it must stay apart
+            where = self.sampled[: len(sampling)]
+            cuda = self.device.type == "cuda"
             samples = sample(logits, [c.seq.sampling for c in sampling],
                              [c.seq.seed for c in sampling],
-                             [c.end - c.seq.num_prompt_tokens for c in sampling])
-            self.sampled[: len(sampling)].copy_(samples)
+                             [c.end - c.seq.num_prompt_tokens for c in sampling],
+                             out=where if cuda else None)
+            if not cuda:
+                where.copy_(samples)
             tokens = download(samples)
         if captured is not None:
             if self._fetch_stream is not None and last_only:

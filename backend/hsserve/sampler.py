@@ -52,10 +52,12 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [B, vocab] float32 -> token ids [B] (int64, on logits' device)."""
-    out = argmax_rows(logits)
+    """logits [B, vocab] float32 -> token ids [B] (int64, on logits' device), into `out` when
+    given (contiguous int64 [B])."""
+    out = argmax_rows(logits, out)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out

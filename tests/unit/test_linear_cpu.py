@@ -1,5 +1,6 @@
 """CPU linears: the oneDNN-packed weight for several rows, the dense one (MKL) for one row where
-it is kept, and pack_for_cpu's choice (by the CPU's vendor, never by timing)."""
+it is kept, MKL's packed one for 17-32 rows where made, and pack_for_cpu's choices (by the CPU's
+vendor and the model's size, never by timing)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,51 @@ def test_models_too_large_to_hold_twice_keep_no_dense_weight(monkeypatch):
     model = _model()
     assert pack_for_cpu(model)
     assert all(m.weight is None for m in [*model.a, model.b])
+
+
+_mkl = pytest.mark.skipif(not linear_mod._mkl_packing_available(), reason="no MKL packing")
+
+
+@_mkl
+def test_mkl_packed_weight_serves_17_to_32_rows_padded():
+    m = _linear(48, 32, 2)
+    w = m.weight.detach().clone()
+    m.pack(mkl_rows=True)
+    assert m.weight is not None and m.mkl_packed is not None, "MKL's product needs the dense weight"
+    # NOTE: MKL's packed copy made of another weight tells the paths apart
+    m.mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(3 * w, linear_mod._MKL_ROWS)
+    for rows in (17, 20, 32):
+        x = torch.randn(rows, 32)
+        y = m(x)
+        assert y.shape == (rows, 48) and y.is_contiguous()
+        torch.testing.assert_close(y, F.linear(x, 3 * w), rtol=1e-5, atol=1e-5)
+        into = torch.ones(rows, 48)
+        torch.testing.assert_close(m(x, into=into), 1 + F.linear(x, 3 * w), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 10, 32)  # NOTE: leading dims flattened to 20 rows and restored
+    torch.testing.assert_close(m(x), F.linear(x, 3 * w), rtol=1e-5, atol=1e-5)
+    for rows in (1, 16, 33):  # NOTE: outside 17..32 the other paths (the true weight)
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(m(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@_mkl
+def test_a_rows_result_does_not_depend_on_the_other_rows_padded_with_it():
+    m = _linear(96, 64, 3)
+    m.pack(mkl_rows=True)
+    x = torch.randn(32, 64)
+    full = m(x)
+    for rows in (17, 25):
+        assert torch.equal(m(x[:rows]), full[:rows])
+
+
+@pytest.mark.parametrize("intel", [True, False])
+def test_pack_for_cpu_adds_mkl_packs_on_intel_for_small_models(monkeypatch, intel):
+    monkeypatch.setattr(linear_mod, "mkl_gemv_preferred", lambda: intel)
+    model = _model()
+    assert pack_for_cpu(model)
+    want = intel and linear_mod._mkl_packing_available()
+    assert all((m.mkl_packed is not None) == want for m in [*model.a, model.b])
+    monkeypatch.setattr(linear_mod, "_MKL_PACK_MAX_BYTES", 1000)
+    model = _model()
+    assert pack_for_cpu(model)
+    assert all(m.mkl_packed is None for m in [*model.a, model.b]), "too large: no MKL packs"

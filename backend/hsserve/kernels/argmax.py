@@ -41,20 +41,23 @@ def _pick_kernel(VALS, IDX, OUT, num_slices, PAD: tl.constexpr):
     tl.store(OUT + r, tl.load(IDX + r * num_slices + k))
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [rows, vocab] float32 -> the first index of each row's max [rows] int64 (the
-    kernels on CUDA, torch's argmax, their reference, elsewhere)."""
+    kernels on CUDA, torch's argmax, their reference, elsewhere), into `out` when given (a
+    contiguous int64 [rows]: the engine's samples buffer, no copy after)."""
     if logits.device.type != "cuda" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        return logits.argmax(dim=-1)
-    return argmax_triton(logits)
+        return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
+    return argmax_triton(logits, out)
 
 
-def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
+def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     rows, n = logits.shape
     num_slices = triton.cdiv(n, _SLICE)
     vals = torch.empty(rows, num_slices, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, num_slices, dtype=torch.int64, device=logits.device)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    assert out.shape == (rows,) and out.dtype == torch.int64 and out.is_contiguous()
     if rows:
         _slice_max_kernel[(rows, num_slices)](logits, vals, idx, logits.stride(0), n, num_slices,
                                               SLICE=_SLICE)

@@ -10,6 +10,10 @@ shapes) and the slower one on AMD (where MKL takes generic paths): on Intel, for
 linears are small enough to hold twice, the dense weight stays for one-row inputs. Decided by
 the CPU's vendor, never by timing, so that every process on a machine computes the same bits
 (the server's engine and a client's reference engine are compared exactly in the tests).
+MKL also packs a weight for one row count: on the same Intel machine at 32 rows its packed
+product ran 1.3-1.4x faster than oneDNN's on the default model's layer shapes (and falls back
+to the dense product at any other row count), so on Intel, for small models (its packed copy
+takes 2-9x the weight), 17-32-row inputs are padded to 32 rows and take it.
 On CUDA a few rows (decode at small batch) go through our GEMV kernel (kernels/gemv.py), which
 beats cuBLAS there; more rows through cuBLAS.
 """
@@ -25,10 +29,21 @@ from hsserve.kernels.gemv import gemv, gemv_fits
 _PACK_BATCH_HINT = 32  # NOTE: measured best across M = 1..2048 on a 2-core AVX2 machine
 # NOTE: the dense copy doubles the linears' memory: kept only up to this many bytes of them
 _KEEP_DENSE_MAX_BYTES = 2 << 30
+# NOTE: MKL's packed weight serves inputs of _MKL_MIN_ROWS.._MKL_ROWS rows (padded to _MKL_ROWS);
+# 2-core Xeon, default model's shapes at 32 rows: 255-1063 us against oneDNN's 366-1411; at
+# 16 rows oneDNN's 684 us beat MKL padded to 32 (1043) on gate_up. Only for models whose linears
+# take at most _MKL_PACK_MAX_BYTES (the packed copies take 2-9x the weights: ~2 GB for 135M)
+_MKL_ROWS = 32
+_MKL_MIN_ROWS = 17
+_MKL_PACK_MAX_BYTES = 1 << 30
 
 
 def _packing_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+
+
+def _mkl_packing_available() -> bool:
+    return hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") and torch.backends.mkl.is_available()
 
 
 class Linear(nn.Module):
@@ -37,10 +52,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.mkl_packed: torch.Tensor | None = None  # NOTE: MKL's, for _MKL_ROWS rows
 
     def forward(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b); with `into`, added to it in place and returned (on CUDA by the GEMM
         itself: an out-of-place add would cost a copy kernel)."""
+        if self.mkl_packed is not None and _MKL_MIN_ROWS <= x.numel() // x.shape[-1] <= _MKL_ROWS:
+            y = self._mkl_rows(x)
+            return y if into is None else into.add_(y)
         if self.packed is not None and (self.weight is None or x.numel() != x.shape[-1]):
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y if into is None else into.add_(y)
@@ -57,12 +76,25 @@ class Linear(nn.Module):
         GEMV-and-epilogue kernels of the decoder ask the same."""
         return self.bias is None and gemv_fits(x, self.weight)
 
-    def pack(self, keep_dense: bool = False) -> None:
+    def _mkl_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) through MKL's packed weight: x's rows padded with zeros to _MKL_ROWS."""
+        x2 = x.reshape(-1, x.shape[-1])
+        rows = len(x2)
+        if rows < _MKL_ROWS:
+            x2 = torch.cat((x2, x2.new_zeros(_MKL_ROWS - rows, x2.shape[1])))
+        y = torch.ops.mkl._mkl_linear(x2, self.mkl_packed, self.weight, self.bias, _MKL_ROWS)
+        return y[:rows].view(*x.shape[:-1], y.shape[-1])
+
+    def pack(self, keep_dense: bool = False, mkl_rows: bool = False) -> None:
         """Add a oneDNN-packed copy of the weight (CPU, float32), used for inputs of more than one
-        row, or for all of them once the dense weight is dropped (keep_dense False)."""
+        row, or for all of them once the dense weight is dropped (keep_dense False); with
+        mkl_rows (which keeps the dense weight: MKL's product needs it), also MKL's packed copy,
+        used for _MKL_MIN_ROWS.._MKL_ROWS rows."""
         w = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
-        if not keep_dense:
+        if mkl_rows:
+            self.mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _MKL_ROWS)
+        elif not keep_dense:
             self.weight = None
 
 
@@ -79,17 +111,23 @@ def mkl_gemv_preferred() -> bool:
     return False
 
 
-def pack_for_cpu(model: nn.Module, keep_dense: bool | None = None) -> bool:
+def pack_for_cpu(model: nn.Module, keep_dense: bool | None = None,
+                 mkl_rows: bool | None = None) -> bool:
     """Pack every Linear of a float32 CPU model, and keep the dense weights for one-row inputs
     when keep_dense (None: where mkl_gemv_preferred and all the linears take at most
-    _KEEP_DENSE_MAX_BYTES); False (nothing done) where packing does not apply."""
+    _KEEP_DENSE_MAX_BYTES); with mkl_rows also MKL's packed weights for 17-32 rows, which need
+    the dense ones (None: where the dense weights are kept and the linears take at most
+    _MKL_PACK_MAX_BYTES). False (nothing done) where packing does not apply."""
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32 or not _packing_available():
         return False
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None]
+    size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     if keep_dense is None:
-        size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
         keep_dense = size <= _KEEP_DENSE_MAX_BYTES and mkl_gemv_preferred()
+    if mkl_rows is None:
+        mkl_rows = keep_dense and size <= _MKL_PACK_MAX_BYTES and mkl_gemv_preferred()
+    mkl_rows = mkl_rows and _mkl_packing_available()
     for m in linears:
-        m.pack(keep_dense=keep_dense)
+        m.pack(keep_dense=keep_dense, mkl_rows=mkl_rows)
     return True
