@@ -4,15 +4,19 @@ A batch-1 decode step reads every weight once in a chain of dependent products (
 o, gate_up, down; then the lm_head). Our step chains one kernel per product with programmatic
 dependent launch; a "megakernel" instead keeps one program per SM alive for the whole step and
 synchronizes the grid between products. This skeleton measures the second design's ceiling
-without its arithmetic: the 1B shape's bytes in its 65 phases, each program summing its share of a
-phase (bfloat16, tiles of _UNROLL chunks of CHUNK elements, two tiles in flight), and between phases
+without its arithmetic: the 1B shape's bytes in its 65 phases, each program summing its share
+of a phase (bfloat16 tiles of _UNROLL chunks of CHUNK elements, two tiles in flight), and
+between phases
 
-  - none:      no synchronization (the stream's own rate: the floor of any design)
+  - none:      no synchronization (this kernel's own streaming rate)
   - barrier:   a grid barrier (an atomic counter every program adds to with release semantics,
                as a real kernel's outputs need, then spins on); _relaxed: a relaxed add
   - prefetch:  the same barrier, with each program's first tile of the next phase loaded
                before it arrives and added after (bytes in flight while the grid waits, unless
                the release makes the arrival wait for them)
+
+A grid that cannot be resident all at once (a barrier would wait for programs that never start)
+is skipped. H200 results and what they say: bench/README.md.
 
 Times are per step (one launch: all phases), events around 20 launches after warm-up; the
 copy-bandwidth floor as gpu_decode.py measures it. Timing only: the sums are discarded.
@@ -150,7 +154,8 @@ def main() -> None:
     bw = copy_bandwidth()
     floor = total * 2 / bw * 1000
     rows = {}
-    print(f"{total * 2 / 1e9:.3f} GB in {len(sizes)} phases; floor {floor:.4f} ms at {bw / 1e12:.2f} TB/s")
+    print(f"{total * 2 / 1e9:.3f} GB in {len(sizes)} phases; floor {floor:.4f} ms at "
+          f"{bw / 1e12:.2f} TB/s")
     for programs in args.programs:
         out = torch.empty(programs * args.chunk, dtype=torch.float32, device="cuda")
         for name, sync, release, prefetch in (

@@ -39,11 +39,13 @@ _MKL_PACK_MAX_BYTES = 1 << 30
 
 
 def _packing_available() -> bool:
-    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+    dnnl = torch.ops.mkldnn
+    return hasattr(dnnl, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
 
 
 def _mkl_packing_available() -> bool:
-    return hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") and torch.backends.mkl.is_available()
+    mkl = torch.ops.mkl
+    return hasattr(mkl, "_mkl_reorder_linear_weight") and torch.backends.mkl.is_available()
 
 
 class Linear(nn.Module):
