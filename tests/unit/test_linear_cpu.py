@@ -122,3 +122,16 @@ def test_pack_for_cpu_adds_mkl_packs_on_intel_for_small_models(monkeypatch, inte
     model = _model()
     assert pack_for_cpu(model)
     assert all(m.mkl_packed is None for m in [*model.a, model.b]), "too large: no MKL packs"
+
+
+@_mkl
+def test_mkl_packed_weight_with_bias():
+    m = Linear(32, 48, bias=True)
+    g = torch.Generator().manual_seed(4)
+    m.weight.data = torch.randn(48, 32, generator=g)
+    m.bias.data = torch.randn(48, generator=g)
+    w, b = m.weight.detach().clone(), m.bias.detach().clone()
+    m.pack(mkl_rows=True)
+    for rows in (1, 17, 32, 40):
+        x = torch.randn(rows, 32, generator=g)
+        torch.testing.assert_close(m(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
