@@ -112,14 +112,13 @@ def step_ms(w, starts, counter, out, programs, chunk, sync, release, prefetch,
             warps) -> float | None:
     """ms per launch; None where the grid cannot be resident all at once (a barrier would wait
     for programs that never start)."""
+    meta = dict(NUM_PHASES=len(starts) - 2, CHUNK=chunk, UNROLL=_UNROLL, SYNC=sync,
+                RELEASE=release, PREFETCH=prefetch, num_warps=warps)
+
     def launch():
         counter.zero_()
-        return _stream_kernel[(programs,)](w, starts, counter, out, NUM_PHASES=len(starts) - 2,
-                                           CHUNK=chunk, UNROLL=_UNROLL, SYNC=sync,
-                                           RELEASE=release, PREFETCH=prefetch, num_warps=warps)
-    kernel = _stream_kernel.warmup(w, starts, counter, out, NUM_PHASES=len(starts) - 2,
-                                   CHUNK=chunk, UNROLL=_UNROLL, SYNC=sync, RELEASE=release,
-                                   PREFETCH=prefetch, num_warps=warps, grid=(programs,))
+        _stream_kernel[(programs,)](w, starts, counter, out, **meta)
+    kernel = _stream_kernel.warmup(w, starts, counter, out, grid=(programs,), **meta)
     kernel._init_handles()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     per_sm = -(-programs // sms)

@@ -125,10 +125,11 @@ def pack_for_cpu(model: nn.Module, keep_dense: bool | None = None,
         return False
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None]
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    intel = mkl_gemv_preferred()  # NOTE: read once (both defaults ask it)
     if keep_dense is None:
-        keep_dense = size <= _KEEP_DENSE_MAX_BYTES and mkl_gemv_preferred()
+        keep_dense = size <= _KEEP_DENSE_MAX_BYTES and intel
     if mkl_rows is None:
-        mkl_rows = keep_dense and size <= _MKL_PACK_MAX_BYTES and mkl_gemv_preferred()
+        mkl_rows = keep_dense and size <= _MKL_PACK_MAX_BYTES and intel
     mkl_rows = mkl_rows and _mkl_packing_available()
     for m in linears:
         m.pack(keep_dense=keep_dense, mkl_rows=mkl_rows)
