@@ -111,6 +111,8 @@ def run_pool(concurrency: int, n: int, one, first: int = 0) -> tuple[Timing, flo
             except queue.Empty:
                 return
             one(i, timing)
+        if hasattr(one, "close"):
+            one.close()  # NOTE: on this worker thread: what it kept open (its gRPC stream)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     t0 = time.perf_counter()
@@ -130,6 +132,14 @@ def direct_one(engine: Engine, new: int, ids: bool = False):
             sampling=SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)))
         arrivals = [(time.perf_counter(), len(d.token_ids)) for d in stream if d.token_ids]
         timing.record(start, arrivals)
+
+    def close():
+        s = getattr(local, "stream", None)
+        if s is not None:
+            s.close()
+            local.stream = None
+
+    one.close = close
     return one
 
 
@@ -168,14 +178,24 @@ def run_direct_sinks(engine: Engine, concurrency: int, n: int, new: int, ids: bo
     return timing, time.perf_counter() - t0
 
 
-def grpc_one(url: str, new: int, use_ids: bool = False):
+def grpc_one(url: str, new: int, use_ids: bool = False, reuse: bool = True):
+    """One request on a gRPC stream: with `reuse`, each client thread keeps one stream for all
+    its requests (as a load generator or a long-lived client does); else a stream (channel,
+    connection) is opened and closed per request, and its set-up counts as serving time."""
     from triton_helpers import GrpcStream
 
+    local = threading.local()
+
     def one(i: int, timing: Timing):
-        s = GrpcStream(url)
+        s = getattr(local, "stream", None)
+        if s is None:
+            s = GrpcStream(url)
+            if reuse:
+                local.stream = s
         start = time.perf_counter()
         text = dict(input_ids=prompt_ids(i)) if use_ids else dict(text_input=prompt(i))
-        s.send(dict(**text, max_tokens=new, temperature=0.0, ignore_eos=True, stream=True))
+        s.send(dict(**text, max_tokens=new, temperature=0.0, ignore_eos=True, stream=True),
+               request_id=f"g{i}")
         arrivals = []
         while True:
             result, error = s.queue.get(timeout=600)
@@ -186,18 +206,21 @@ def grpc_one(url: str, new: int, use_ids: bool = False):
                 arrivals.append((now, len(ids)))
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
-        s.close()
+        if not reuse:
+            s.close()
         timing.record(start, arrivals)
     return one
 
 
 def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
-    url, new, first, n, concurrency, ids, start_at = job
+    url, new, first, n, concurrency, ids, reuse, cpus, start_at = job
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     # NOTE: every process starts at the same wall-clock moment (spawned processes are ready at
     # different times, seconds apart: their skew would count as serving time)
     time.sleep(max(0.0, start_at - time.time()))
     t0 = time.time()
-    timing, _ = run_pool(concurrency, n, grpc_one(url, new, use_ids=ids), first)
+    timing, _ = run_pool(concurrency, n, grpc_one(url, new, ids, reuse), first)
     return timing.ttft, timing.itl, timing.tokens, t0, time.time()
 
 
@@ -206,17 +229,18 @@ def _pid_after(seconds: float) -> int:
     return os.getpid()
 
 
-def run_procs(url: str, new: int, concurrency: int, n: int, procs: int,
-              ids: bool) -> tuple[Timing, float]:
-    """gRPC streams from `procs` client processes, concurrency / procs streams each."""
+def run_procs(url: str, new: int, concurrency: int, n: int, procs: int, ids: bool, reuse: bool,
+              cpus: set[int]) -> tuple[Timing, float]:
+    """gRPC streams from `procs` client processes, concurrency / procs streams each (on `cpus`
+    when given)."""
     assert concurrency % procs == 0 and n % procs == 0, "concurrency and requests: multiples of procs"
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
         up: set[int] = set()
         while len(up) < procs:  # NOTE: every worker up (its imports done) before the start time
             up |= set(pool.map(_pid_after, [0.05] * 2 * procs, chunksize=1))
         start_at = time.time() + 1.0
-        jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs, ids, start_at)
-                for p in range(procs)]
+        jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs, ids, reuse, cpus,
+                 start_at) for p in range(procs)]
         parts = pool.map(_client_proc, jobs, chunksize=1)
     timing = Timing()
     for ttft, itl, tokens, _, _ in parts:
@@ -233,6 +257,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--shape", default="", help="GPU: a bench/shapes.py shape, random weights")
     ap.add_argument("--client-procs", type=int, default=1)
+    ap.add_argument("--streams", nargs="+", choices=("reuse", "fresh"), default=["reuse"],
+                    help="gRPC client streams: kept by each client thread for all its requests, or "
+                         "one per request; the first listed gives the ratio, each its own row")
+    ap.add_argument("--client-cpus", type=int, default=0,
+                    help="client processes on the last N CPUs, everything else (the engine rows, "
+                         "tritonserver) on the others, as if the clients ran on another machine")
     ap.add_argument("--child-path", default="",
                     help="a folder put first on the engine process's import path (as the stub's, e.g. "
                          "numpy<2 for tritonserver 2.51), for a second engine-process row")
@@ -244,6 +274,12 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # NOTE: the engines' step counts
 
     rows = {c: {} for c in args.concurrency}
+    client_cpus: set[int] = set()
+    if args.client_cpus:
+        cpus = sorted(os.sched_getaffinity(0))
+        assert 0 < args.client_cpus < len(cpus), f"--client-cpus: 1..{len(cpus) - 1}"
+        client_cpus = set(cpus[-args.client_cpus:])
+        os.sched_setaffinity(0, set(cpus[: -args.client_cpus]))  # NOTE: inherited by the server
     params = dict(p.split("=", 1) for p in args.param)
     ids = bool(args.shape)
     if ids:
@@ -295,14 +331,19 @@ def main() -> None:
         run_pool(2, 2, grpc_one(server.grpc_url, 8, ids))  # warm-up
         for c in args.concurrency:
             n = max(args.requests if c > 1 else 4, c)
-            if args.client_procs > 1 and c >= args.client_procs:
-                timing, wall = run_procs(server.grpc_url, args.new, c, n, args.client_procs, ids)
-            else:
-                timing, wall = run_pool(c, n, grpc_one(server.grpc_url, args.new, ids))
-            rows[c]["grpc_stream"] = timing.summary(wall)
             best = max(rows[c]["direct"]["tok_s"], rows[c]["direct_sinks"]["tok_s"])
-            rows[c]["ratio"] = round(rows[c]["grpc_stream"]["tok_s"] / best, 3)  # NOTE: vs the faster
-            print(f"grpc c={c}: {rows[c]['grpc_stream']} ratio {rows[c]['ratio']}", flush=True)
+            for k, mode in enumerate(args.streams):
+                reuse = mode == "reuse"
+                if args.client_procs > 1 and c >= args.client_procs:
+                    timing, wall = run_procs(server.grpc_url, args.new, c, n, args.client_procs, ids,
+                                             reuse, client_cpus)
+                else:
+                    timing, wall = run_pool(c, n, grpc_one(server.grpc_url, args.new, ids, reuse))
+                row, ratio = ("grpc_stream", "ratio") if k == 0 else (f"grpc_{mode}", f"ratio_{mode}")
+                rows[c][row] = timing.summary(wall) | {"streams": mode}
+                rows[c][ratio] = round(rows[c][row]["tok_s"] / best, 3)  # NOTE: vs the faster
+                print(f"grpc ({mode} streams) c={c}: {rows[c][row]} ratio {rows[c][ratio]}",
+                      flush=True)
     finally:
         server.stop()
     write_result(args.out, {
@@ -311,12 +352,15 @@ def main() -> None:
         **({"stream_vs_direct_ratio_c64": rows[64]["ratio"]} if 64 in rows else {}),
         "new_tokens": args.new,
         "params": params,
+        "streams": args.streams,
+        "client_cpus": sorted(client_cpus),
+        "cpus": os.cpu_count(),
         "rows": [{"concurrency": c, **r} for c, r in rows.items()],
     })
     print("| concurrency | path | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
     print("|---:|---|---:|---:|---:|")
     for c, r in rows.items():
-        for path in ("direct", "direct_sinks", "child_sinks", "grpc_stream"):
+        for path in [p for p in r if isinstance(r[p], dict)]:
             x = r[path]
             print(f"| {c} | {path} | {x['tok_s']} | {x['ttft_p50_ms']} / {x['ttft_p99_ms']} | "
                   f"{x['itl_p50_ms']} / {x['itl_p99_ms']} |")
