@@ -50,11 +50,16 @@ TEST_CRASH_ENV = "HSSERVE_TEST_CRASH_AFTER_STEPS"  # NOTE: test-only, see the mo
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, build: Callable[[EngineConfig], EngineParts] = build_engine_parts
+        self, config: EngineConfig, build: Callable[[EngineConfig], EngineParts] = build_engine_parts,
+        after_round: Callable[[], None] | None = None,
     ):
-        """Nothing is loaded until start(); `build` makes the model, pool and scheduler."""
+        """Nothing is loaded until start(); `build` makes the model, pool and scheduler.
+        `after_round`: called on the loop thread after each round of the loop (its messages
+        applied, a step run) and once at the end, when every delta of the round has gone to
+        the sinks (for a sink that gathers them: the engine process ships a round's at once)."""
         self.config = config
         self._build = build
+        self._after_round = after_round
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, list[Sequence]] = {}  # NOTE: loop thread only; request -> its n
         self._ids = RequestIds(config)
@@ -222,6 +227,7 @@ class Engine:
                         raise RuntimeError(f"{TEST_CRASH_ENV}={self._crash_after_steps}: crash")
                 else:
                     self.pool.check_invariants()
+                self._round_done()
             clean = True
         except BaseException as e:  # noqa: BLE001 - the loop died: say why to everyone waiting
             log.exception("engine loop died")
@@ -232,10 +238,19 @@ class Engine:
                 self._dead = not clean
                 self._drain_unprocessed()
             self._fail_all("the engine shut down" if clean else f"the engine stopped: {self.error!r}")
+            self._round_done()
             log.info("engine loop ended after %d steps in %.2f s busy (%d queued ahead, %d mixed), "
                      "%d preemptions", self.num_steps, self.busy_s, self.num_ahead_steps,
                      self.num_mixed_steps, self.scheduler.num_preemptions)
             self._release()
+
+    def _round_done(self) -> None:
+        if self._after_round is None:
+            return
+        try:
+            self._after_round()
+        except Exception:  # NOTE: as a broken sink, it must not stop the loop
+            log.exception("after_round failed")
 
     def _abandon_inflight(self, why: str) -> None:
         """Drop the launched step unread, once the device has run it (the graphs' host input

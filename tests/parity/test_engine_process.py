@@ -61,6 +61,31 @@ def test_same_outputs_as_in_process(child, tiny_model_dir):
     assert snap.ttft and snap.itl and snap.latency
 
 
+def test_every_delta_is_followed_by_a_round_end(tiny_model_dir):
+    """The engine process ships a round's deltas at after_round: every delta, those of a
+    shutdown included, must reach its sink before some after_round call (none left behind)."""
+    seen: list[Delta] = []
+    shipped: list[int] = []  # NOTE: deltas seen at each after_round call
+    engine = Engine(config(tiny_model_dir("llama"), "on", "cpu"),
+                    after_round=lambda: shipped.append(len(seen))).start()
+    try:
+        for i in range(3):
+            engine.submit(GenerationRequest(f"r{i}", prompt_ids=[5, 6, 7 + i],
+                                            sampling=SamplingParams(max_tokens=4 + i)),
+                          sink=seen.append)
+        engine.submit(GenerationRequest("long", prompt_ids=[5, 6], sampling=ENDLESS),
+                      sink=seen.append)
+        deadline = time.monotonic() + 60
+        while sum(d.request_done for d in seen) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    assert sum(d.request_done for d in seen) == 4  # NOTE: the long one ended by the shutdown
+    assert seen[-1].request_id == "long" and seen[-1].finish_reason == FinishReason.ERROR
+    assert shipped and shipped[-1] == len(seen)
+    assert shipped == sorted(shipped) and len(set(shipped)) > 3  # NOTE: shipped round by round
+
+
 def test_refusals_name_the_input_at_submit(child):
     cases = [(GenerationRequest("e", prompt=""), "text_input"),
              (GenerationRequest("m", prompt_ids=[5, 6], hidden_mode="most"), "MODE"),
