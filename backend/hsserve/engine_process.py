@@ -272,8 +272,7 @@ class EngineProcess:
             while True:
                 kind, arg = pickle.loads(self._evt.recv_bytes())
                 if kind == "deltas":
-                    for wire in arg:
-                        self._deliver(delta_from_wire(wire))
+                    self._deliver([delta_from_wire(wire) for wire in arg])
                 elif kind == "snapshot":
                     self._snapshots.put(arg)
                 elif kind == "died":
@@ -297,18 +296,21 @@ class EngineProcess:
             self._fail_rest(f"the engine stopped: {self.error!r}" if self._dead
                             else "the engine shut down")
 
-    def _deliver(self, d: Delta) -> None:
+    def _deliver(self, deltas: list[Delta]) -> None:
+        """One message's deltas to their sinks (the ids lock taken once: ~64 deltas a step)."""
         with self._ids.lock:
-            sink = self._sinks.get(d.request_id)
-            if d.request_done:
-                self._sinks.pop(d.request_id, None)
-                self._ids.release(d.request_id)
-        if sink is None:
-            return
-        try:
-            sink(d)
-        except Exception:  # noqa: BLE001 - a broken sink must not stop the receiver
-            log.exception("sink of request %s failed", d.request_id)
+            sinks = [self._sinks.get(d.request_id) for d in deltas]
+            for d in deltas:
+                if d.request_done:
+                    self._sinks.pop(d.request_id, None)
+                    self._ids.release(d.request_id)
+        for d, sink in zip(deltas, sinks):
+            if sink is None:
+                continue
+            try:
+                sink(d)
+            except Exception:  # noqa: BLE001 - a broken sink must not stop the receiver
+                log.exception("sink of request %s failed", d.request_id)
 
     def _fail_rest(self, message: str) -> None:
         """End every request still in flight with one error delta."""
