@@ -7,11 +7,12 @@ Each request: a ~30-token prompt, 64 new tokens (EOS ignored), greedy, MODE=none
 runs first in this process and is shut down; then the server starts on the repository.
 --shape (GPU): a benchmark shape with random bf16 weights (bench/shapes.py) served from a copy of
 the llm model folder; prompts are 32 random token ids (input_ids); gRPC clients run in
---client-procs processes so that the Python client is not what is measured.
+--client-procs processes so that the Python client is not what is measured (--client-cpus: on
+CPUs of their own). Each client thread keeps one gRPC stream for its requests (--streams).
 
     python bench/triton_stream_vs_direct.py [--concurrency 1 16] [--requests 32]
-    python bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 --requests 256 \
-        --new 256 --client-procs 8 --out bench/results/h200_triton.json
+    python bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 --requests 1536 \
+        --new 256 --client-procs 8 --client-cpus 6 --out bench/results/h200_triton.json
 """
 
 from __future__ import annotations
