@@ -133,14 +133,6 @@ def direct_one(engine: Engine, new: int, ids: bool = False):
             sampling=SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)))
         arrivals = [(time.perf_counter(), len(d.token_ids)) for d in stream if d.token_ids]
         timing.record(start, arrivals)
-
-    def close():
-        s = getattr(local, "stream", None)
-        if s is not None:
-            s.close()
-            local.stream = None
-
-    one.close = close
     return one
 
 
@@ -210,6 +202,14 @@ def grpc_one(url: str, new: int, use_ids: bool = False, reuse: bool = True):
         if not reuse:
             s.close()
         timing.record(start, arrivals)
+
+    def close():
+        s = getattr(local, "stream", None)
+        if s is not None:
+            s.close()
+            local.stream = None
+
+    one.close = close
     return one
 
 
