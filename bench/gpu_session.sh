@@ -19,7 +19,8 @@ for part in $parts; do
              | grep -v "^[IW]1\|^|\|^+" | tail -15 ;;
     triton) [ "${SPY:-1}" = 1 ] && (bash bench/spy_stub.sh 4 > "$OUT/spy.out" 2>&1 &)
             timeout 280 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 \
-              --requests 1536 --new 256 --client-procs "${CLIENT_PROCS:-8}" --client-cpus "${CLIENT_CPUS:-6}" \
+              --requests 1536 --new 256 --client-procs "${CLIENT_PROCS:-8}" \
+              --client-cpus "${CLIENT_CPUS:-6}" \
               --out "$OUT/${TRITON_OUT:-h200_triton}.json" 2>&1 | grep -v "^|" | tail -4
             pkill -9 triton_python_b ;;
     decode) timeout 240 python3 bench/gpu_decode.py --shapes llama-1b llama-8b --batches-1b 1 64 \

@@ -50,7 +50,9 @@ TEST_CRASH_ENV = "HSSERVE_TEST_CRASH_AFTER_STEPS"  # NOTE: test-only, see the mo
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, build: Callable[[EngineConfig], EngineParts] = build_engine_parts,
+        self,
+        config: EngineConfig,
+        build: Callable[[EngineConfig], EngineParts] = build_engine_parts,
         after_round: Callable[[], None] | None = None,
     ):
         """Nothing is loaded until start(); `build` makes the model, pool and scheduler.
