@@ -4,13 +4,14 @@ One graph per batch size of a ladder (a batch runs in the smallest size that hol
 rows have length 0 and slot -1, so they read and write nothing) and, when the server's ceiling is
 above `none`, a second graph per size that also copies every captured layer's rows into a static
 buffer. A step whose rows are all MODE=none (or not due yet) replays the graph without the copy,
-so it pays nothing for the ceiling. Logits (float32) are computed inside the graph; sampling and
-the device-to-host copies happen after the replay. Nothing is captured after start:
-`num_captures` proves it.
+so it pays nothing for the ceiling. Logits (float32) and every row's greedy sample (the argmax)
+are computed inside the graph; other sampling and the device-to-host copies happen after the
+replay. Nothing is captured after start: `num_captures` proves it.
 
 A row's input token is either given by the host or, when the engine queued this step before it
 read the previous one, the previous step's sample still on the device: row 0 of the static
-buffer holds the samples (the executor writes them there), and each row names where its token is
+buffer holds the samples (the graph's argmax writes them there, or the executor's sampler after
+it, for a step that is not all greedy), and each row names where its token is
 (`source`, a flat index into the buffer), so the graph picks every input with one gather.
 """
 
@@ -23,6 +24,7 @@ import torch
 
 from hsserve.attention_batch import AttentionBatch
 from hsserve.hidden_capture import HiddenCapture
+from hsserve.kernels.argmax import argmax_rows
 from hsserve.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,10 @@ class DecodeGraphs:
         ids = self.buf.view(-1)[self.sources[:size]]
         hidden = self.model(ids, self.positions[:size], batch, self.kv_cache, capture)
         self.model.logits(hidden, out=self.logits[:size])
+        # NOTE: every row's greedy sample, where the next step reads its input tokens (read
+        # above, so rewriting them here is safe): a greedy step needs no kernel launched from
+        # Python (two launches, ~30 us of the loop's host time each) and no gap after the replay
+        argmax_rows(self.logits[:size], out=self.sampled[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -156,7 +162,8 @@ class DecodeGraphs:
             tables: list[list[int]], lens: list[int], with_rows: bool):
         """Replay for len(ids) sequences (`sources` as in fill_host_inputs; `tables` the
         sequences' own block-table lists); returns (logits [n, vocab], rows [n, layers, hidden]
-        or None) as views of the static buffers (valid until the next run is queued)."""
+        or None) as views of the static buffers (valid until the next run is queued). Each
+        row's greedy sample (the argmax of its logits) is in `sampled`[:n] after the replay."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         t = self._turn

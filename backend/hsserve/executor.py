@@ -244,17 +244,20 @@ class Executor:
         tokens = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
+            params = [c.seq.sampling for c in sampling]
             # NOTE: on CUDA written where the next step queued ahead reads its inputs (no copy
             # kernel); on the CPU download() returns the tensor itself, so it must stay apart
             where = self.sampled[: len(sampling)]
             cuda = self.device.type == "cuda"
-            samples = sample(logits, [c.seq.sampling for c in sampling],
-                             [c.seq.seed for c in sampling],
-                             [c.end - c.seq.num_prompt_tokens for c in sampling],
-                             out=where if cuda else None)
-            if not cuda:
-                where.copy_(samples)
-            tokens = download(samples)
+            if graph and len(sampling) == len(chunks) and all(p.greedy for p in params):
+                samples = where  # NOTE: the replay's own argmax wrote them, row by row
+            else:
+                samples = sample(logits, params, [c.seq.seed for c in sampling],
+                                 [c.end - c.seq.num_prompt_tokens for c in sampling],
+                                 out=where if cuda else None)
+                if not cuda:
+                    where.copy_(samples)
+            tokens = download(samples) if cuda or samples is not where else samples.clone()
         if captured is not None:
             if self._fetch_stream is not None and last_only:
                 # NOTE: MODE=last only: the rows stay on the device, and the one a sequence ends

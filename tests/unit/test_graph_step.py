@@ -35,6 +35,7 @@ class FakeGraphs:
                                lens=lens, with_rows=with_rows))
         logits = torch.zeros(n, VOCAB)
         logits[torch.arange(n), 3 + torch.arange(n)] = 1.0
+        self.sampled[:n] = logits.argmax(-1)  # NOTE: as the real graphs' own argmax does
         rows = torch.arange(n)[:, None, None] * 10 + torch.arange(len(LAYERS))[None, :, None]
         rows = rows.expand(n, len(LAYERS), HIDDEN).float()
         return logits, rows if with_rows else None
@@ -94,6 +95,27 @@ def test_inputs_rows_and_tokens_of_a_step_and_the_step_queued_after_it():
     assert out2.captured.layers == [2], "only the layers asked for leave the device"
     f, _ = out2.slices[1]
     assert out2.captured.take(f, 1, (2,)).tolist() == [[10.0 + 1] * HIDDEN]
+
+
+def test_a_greedy_step_takes_the_graphs_samples_and_samples_nothing_more(monkeypatch):
+    import hsserve.executor as executor
+
+    calls = []
+    real = executor.sample
+    monkeypatch.setattr(executor, "sample", lambda *a, **k: calls.append(a) or real(*a, **k))
+    ex = make_executor()
+    a, b = seq("a", [5, 6, 7]), seq("b", [5, 6])
+    for s in (a, b):
+        s.num_computed = s.num_tokens - 1
+    out = ex.complete(ex.launch([Chunk(s, s.num_computed, 1) for s in (a, b)]))
+    assert out.tokens == [3, 4] and not calls, "all greedy: the replay's argmax, no sampler"
+    b.sampling = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
+    for s, t in zip((a, b), out.tokens):
+        s.token_ids.append(t)
+        s.num_computed += 1
+    out = ex.complete(ex.launch([Chunk(s, s.num_computed, 1) for s in (a, b)]))
+    assert len(calls) == 1 and out.tokens[0] == 3, "one row samples: the sampler runs"
+    assert ex.sampled[:2].tolist() == out.tokens, "its samples where the next step reads them"
 
 
 class StaticGraphs(FakeGraphs):
