@@ -11,8 +11,8 @@ round trip), the request ids in flight, and a receiver thread that turns the chi
 Deltas for each request's sink. Child: the Engine; its main thread applies the parent's commands.
 The loop thread itself turns each round's deltas into one pickled message (Engine's after_round);
 a shipper thread only writes the messages to the pipe, which needs no GIL: a second Python
-thread converting deltas took the GIL from the loop every step (the engine process ran 5-14%
-below the engine alone at 64 streams on the H200; since, within 0-7%).
+thread converting deltas took the GIL from the loop every step (at 64 streams on the H200 the
+engine process ran 5-14% below the engine alone; after, -7% to +3% in three runs, -11% in one).
 
 Two pipes carry standard pickles (hidden rows as raw bytes: no shared-memory tensors, no fds):
   parent -> child  ("add", request) ("abort", id) ("fail_all", message) ("clear_cache", None)
