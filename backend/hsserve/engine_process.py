@@ -339,20 +339,25 @@ def child_main(config: EngineConfig, cmd, evt) -> None:
     def send(kind: str, arg) -> None:
         _post(evt, send_lock, kind, arg)
 
-    wires: list[tuple] = []  # NOTE: the loop thread's, between two rounds
+    deltas: list[Delta] = []  # NOTE: the loop thread's, between two rounds
     outbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: messages for the shipper
 
     def collect(d: Delta) -> None:  # NOTE: every request's sink, on the loop thread
-        wires.append(delta_to_wire(d))
+        deltas.append(d)
 
     def ship_round() -> None:  # NOTE: on the loop thread, after each round
-        if not wires:
+        if not deltas:
             return
-        # NOTE: pickled here, but a round with hidden rows (a copy of every row's bytes) is
-        # pickled by the shipper, as the loop may meanwhile wait on the device
-        rows = any(w[3] is not None for w in wires)
-        outbox.put(("deltas", wires.copy()) if rows else _message("deltas", wires))
-        wires.clear()
+        try:
+            batch = [delta_to_wire(d) for d in deltas]
+            # NOTE: pickled here, but a round with hidden rows (a copy of every row's bytes) is
+            # pickled by the shipper, as the loop may meanwhile wait on the device
+            rows = any(w[3] is not None for w in batch)
+            outbox.put(("deltas", batch) if rows else _message("deltas", batch))
+        except BaseException:  # noqa: BLE001 - as in the shipper: deltas lost would hang requests
+            log.exception("shipping the engine's deltas failed; ending the engine process")
+            os._exit(1)  # NOTE: the parent reads EOF and ends every request in flight
+        deltas.clear()
 
     engine = Engine(config, after_round=ship_round)
     try:
