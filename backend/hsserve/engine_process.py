@@ -352,7 +352,7 @@ def child_main(config: EngineConfig, cmd, evt) -> None:
             batch = [delta_to_wire(d) for d in deltas]
             # NOTE: pickled here, but a round with hidden rows (a copy of every row's bytes) is
             # pickled by the shipper, as the loop may meanwhile wait on the device
-            rows = any(w[3] is not None for w in batch)
+            rows = any(d.hidden is not None for d in deltas)
             outbox.put(("deltas", batch) if rows else _message("deltas", batch))
         except BaseException:  # noqa: BLE001 - as in the shipper: deltas lost would hang requests
             log.exception("shipping the engine's deltas failed; ending the engine process")

@@ -250,14 +250,15 @@ class Executor:
             where = self.sampled[: len(sampling)]
             cuda = self.device.type == "cuda"
             if graph and len(sampling) == len(chunks) and all(p.greedy for p in params):
-                samples = where  # NOTE: the replay's own argmax wrote them, row by row
+                # NOTE: the replay's own argmax wrote them, row by row
+                samples = where if cuda else where.clone()
             else:
                 samples = sample(logits, params, [c.seq.seed for c in sampling],
                                  [c.end - c.seq.num_prompt_tokens for c in sampling],
                                  out=where if cuda else None)
                 if not cuda:
                     where.copy_(samples)
-            tokens = download(samples) if cuda or samples is not where else samples.clone()
+            tokens = download(samples)
         if captured is not None:
             if self._fetch_stream is not None and last_only:
                 # NOTE: MODE=last only: the rows stay on the device, and the one a sequence ends
