@@ -29,8 +29,9 @@ from hsserve import HiddenStatesMode  # noqa: E402
 from hsserve.kernels.pdl import pdl_enter, pdl_on  # noqa: E402
 from hsserve.kernels import gemv as gemv_module  # noqa: E402
 from hsserve.models import decoder  # noqa: E402
+from hsserve import cuda_graphs  # noqa: E402
+from hsserve.kernels.elementwise import embed_rotary_ref  # noqa: E402
 
-_LOGITS = decoder.Decoder.logits
 _ATTEND = decoder.attend
 _GEMV_CONFIG = gemv_module.gemv_config
 
@@ -94,21 +95,6 @@ def _no_mlp(self, x, folded_eps=None):
     return x
 
 
-def _no_logits(self, hidden, out=None):
-    if out is None:  # NOTE: prefill (outside the graphs) still needs its logits
-        return _LOGITS(self, hidden)
-    return out
-
-
-def _gemv_logits(self, hidden, out=None):
-    """The lm_head through our GEMV (PDL-chained, bfloat16 logits), then widened into out."""
-    from hsserve.kernels.gemv import gemv
-
-    if out is None:
-        return _LOGITS(self, hidden)
-    return out.copy_(gemv(hidden, self.lm_head.weight))
-
-
 def _warps(n: int):
     """gemv_config with its program count kept and num_warps forced to n."""
     def config(*a):
@@ -140,6 +126,27 @@ def _no_attention(q, kv, batch, scale, window):
     return q
 
 
+def _no_argmax(self, size, with_rows):
+    """DecodeGraphs._forward without the argmax at its end."""
+    with mock.patch.object(cuda_graphs, "argmax_rows", lambda x, out, host: out):
+        return _GRAPH_FORWARD(self, size, with_rows)
+
+
+_GRAPH_FORWARD = cuda_graphs.DecodeGraphs._forward
+
+
+def _head(norm: bool, lm_head: bool):
+    """Decoder.decode_logits as the layers, then the final norm and the lm_head where asked, as
+    separate kernels (cuBLAS's lm_head): both = the path before the norm went into the GEMV."""
+    def decode_logits(self, input_ids, positions, batch, kv_cache, capture, out):
+        x, residual = self._layers(input_ids, positions, batch, kv_cache, capture)
+        if norm:
+            x = self._final(x, residual, capture)
+        if lm_head:
+            self.logits(x, out=out)
+    return decode_logits
+
+
 D, G, M = decoder, gemv_module, decoder.MLP
 # NOTE: name -> [(object, attribute, replacement)]
 VARIANTS = {
@@ -147,8 +154,12 @@ VARIANTS = {
     "no_attention": [(D, "attend", _no_attention)],
     "copy_attention": [(D, "attend", _copy_attention)],
     "no_mlp": [(M, "forward", _no_mlp)],
-    "no_lm_head": [(D.Decoder, "logits", _no_logits)],
-    "gemv_lm_head": [(D.Decoder, "logits", _gemv_logits)],
+    "no_argmax": [(cuda_graphs.DecodeGraphs, "_forward", _no_argmax)],
+    "no_head": [(D.Decoder, "decode_logits", _head(False, False))],
+    "norm_cublas_lm_head": [(D.Decoder, "decode_logits", _head(True, True))],
+    # NOTE: the embedding and rotary angles as torch ops (five kernels) instead of embed_rotary
+    "torch_prologue": [(D, "embed_rotary", embed_rotary_ref)],
+    "no_lm_head": [(D.Decoder, "decode_logits", _head(True, False))],
     "slab16k": [(G, "_SLAB_BYTES", 16 << 10)],
     "splits4": _splits(4),
     "slab8k": [(G, "_SLAB_BYTES", 8 << 10)],
@@ -179,6 +190,16 @@ VARIANTS = {
     "attn_128_8_1": _attention_config(128, 8, 1),
     "attn_256_8_1": _attention_config(256, 8, 1),
     "attn_256_16_1": _attention_config(256, 16, 1),
+    # NOTE: fewer registers a program (ptxas, sm_90: 64/4 warps 255 with spills, 32/4 149,
+    # 16/4 96, 16/2 147 x 64 threads, 16/1 178 x 32), so that attention and o_proj programs
+    # are resident beside the qkv / attention programs before their wait
+    "attn_32_4_2": _attention_config(32, 4, 2),
+    "attn_16_4_1": _attention_config(16, 4, 1),
+    "attn_16_2_1": _attention_config(16, 2, 1),
+    "attn_16_1_1": _attention_config(16, 1, 1),
+    "attn_16_1_1_splits4": _attention_config(16, 1, 1) + _splits(4),
+    "attn_16_4_1_splits4": _attention_config(16, 4, 1) + _splits(4),
+    "attn_32_4_1_splits4": _attention_config(32, 4, 1) + _splits(4),
     "warps2": [(G, "gemv_config", _warps(2))],
     "warps8": [(G, "gemv_config", _warps(8))],
 }

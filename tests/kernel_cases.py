@@ -211,6 +211,31 @@ def check_argmax(device, rows, vocab, seed=0):
     assert argmax_triton(x, out=buf[1 : rows + 1]).data_ptr() == buf[1:].data_ptr()
     assert torch.equal(buf[1 : rows + 1], x.argmax(dim=-1)), "written into the given out"
     assert buf[0] == -1 and buf[-1] == -1, "nothing written outside out"
+    host = torch.full((3, rows + 1), -1, dtype=torch.int64, pin_memory=device == "cuda")
+    slot = torch.tensor(1, device=device)
+    argmax_triton(x, out=buf[1 : rows + 1], host=(host, slot))
+    assert torch.equal(host[1, :rows], x.argmax(dim=-1).cpu()), "the host slot the device names"
+    assert (host[0] == -1).all() and (host[2] == -1).all() and host[1, rows] == -1, \
+        "nothing written to the host outside that slot's rows"
+
+
+def check_embed_rotary(device, dtype, rows, hidden, head_dim, seed=0):
+    """The embedding rows (exactly) and the rotary cos / sin (float32, to rounding) of the
+    reference, positions up to 100k; hidden not a power of two."""
+    from hsserve.kernels.elementwise import embed_rotary_ref, embed_rotary_triton
+    from hsserve.models.rope import inverse_frequencies
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    embed = torch.randn(50, hidden, generator=g).to(device, dtype)
+    ids = torch.randint(0, 50, (rows,), generator=g).to(device)
+    positions = torch.randint(0, 100_000, (rows,), generator=g).to(device)
+    inv_freq = inverse_frequencies(head_dim, {"rope_theta": 500000.0}).to(device)
+    got, want = (f(ids, positions, embed, inv_freq) for f in (embed_rotary_triton,
+                                                             embed_rotary_ref))
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        assert a.dtype == torch.float32 and a.shape == (rows, head_dim // 2)
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
 
 
 def check_gemv(device, dtype, rows, n, k, seed=0):
@@ -226,6 +251,15 @@ def check_gemv(device, dtype, rows, n, k, seed=0):
     _close(gemv(x, w), ref, dtype)
     _close(gemv(x, w, into=base.clone()), gemv_ref(x.double(), w.double(), into=base.double()),
            dtype)
+    # the final norm folded in (its weight apart from W), float32 logits written
+    from hsserve.kernels.elementwise import add_rmsnorm_ref
+
+    nw = (1 + torch.randn(k, generator=g) / 4).to(device, dtype)
+    normed, _ = add_rmsnorm_ref((3 * x).double(), None, nw.double(), 1e-5)
+    out = torch.full((rows, n + 1), -1.0, device=device)
+    got = gemv(3 * x, w, out=out[:, :n], norm=(nw, 1e-5))
+    assert got.data_ptr() == out.data_ptr() and (out[:, n] == -1).all()
+    _close(got, gemv_ref(normed, w.double()), dtype)
 
 
 def check_gemv_silu_mul(device, dtype, rows, inter, k, rms, seed=0):

@@ -5,8 +5,10 @@ rows have length 0 and slot -1, so they read and write nothing) and, when the se
 above `none`, a second graph per size that also copies every captured layer's rows into a static
 buffer. A step whose rows are all MODE=none (or not due yet) replays the graph without the copy,
 so it pays nothing for the ceiling. Logits (float32) and every row's greedy sample (the argmax)
-are computed inside the graph; other sampling and the device-to-host copies happen after the
-replay. Nothing is captured after start: `num_captures` proves it.
+are computed inside the graph; the argmax also writes the samples into pinned host memory (one
+of two host slots, used in turn as the input slots are), so an all-greedy step queues no copy
+after its replay. Other sampling and the rows' device-to-host copies happen after the replay.
+Nothing is captured after start: `num_captures` proves it.
 
 A row's input token is either given by the host or, when the engine queued this step before it
 read the previous one, the previous step's sample still on the device: row 0 of the static
@@ -90,18 +92,21 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.layers = list(layers)
         b = max_batch
-        # NOTE: one int64 [6, B] buffer: row 0 the last samples (written by the executor), rows
-        # 1-5 (ids, sources, positions, slots, lengths) filled by a single copy from pinned host
-        # memory per step, and one block-table buffer likewise
-        self.buf = torch.zeros(6, b, dtype=torch.long, device=dev)
+        # NOTE: one int64 [7, B] buffer: row 0 the last samples (written by the executor), rows
+        # 1-6 (ids, sources, positions, slots, lengths, [host slot, 0...]) filled by a single
+        # copy from pinned host memory per step, and one block-table buffer likewise
+        self.buf = torch.zeros(7, b, dtype=torch.long, device=dev)
         self.sampled, self.meta = self.buf[0], self.buf[1:]
         self.meta[3].fill_(-1)
-        _, self.sources, self.positions, self.slots, self.lens = self.meta.unbind(0)  # 0: ids
+        _, self.sources, self.positions, self.slots, self.lens, slot = self.meta.unbind(0)
+        self.host_slot = slot[0]  # NOTE: where in host_samples this step's argmax writes
         self.tables = torch.zeros(b, max_pages, dtype=torch.int32, device=dev)
         self.split_counters = torch.zeros(b * spec.num_kv_heads, dtype=torch.int32, device=dev)
         # NOTE: two host slots, used in turn: a step's copies out of its slot may still be queued
         # when the next step is prepared (steps overlap), never when the one after is
-        self.host_meta = torch.zeros(2, 5, b, dtype=torch.long).pin_memory()
+        self.host_meta = torch.zeros(2, 6, b, dtype=torch.long).pin_memory()
+        self.host_meta[1, 5, 0] = 1  # NOTE: each input slot names its own samples slot
+        self.host_samples = torch.zeros(2, b, dtype=torch.long).pin_memory()
         self.host_tables = torch.zeros(2, b * max_pages, dtype=torch.int32).pin_memory()
         self.tables_stage = torch.zeros(b * max_pages, dtype=torch.int32, device=dev)
         self.host_meta_np, self.host_tables_np = self.host_meta.numpy(), self.host_tables.numpy()
@@ -131,12 +136,13 @@ class DecodeGraphs:
             capture = HiddenCapture(self.layers, None, spec.hidden_size, self.model.embed.dtype,
                                     out=self.rows[:size])
         ids = self.buf.view(-1)[self.sources[:size]]
-        hidden = self.model(ids, self.positions[:size], batch, self.kv_cache, capture)
-        self.model.logits(hidden, out=self.logits[:size])
+        self.model.decode_logits(ids, self.positions[:size], batch, self.kv_cache, capture,
+                                 out=self.logits[:size])
         # NOTE: every row's greedy sample, where the next step reads its input tokens (read
         # above, so rewriting them here is safe): a greedy step needs no kernel launched from
         # Python (two launches, ~30 us of the loop's host time each) and no gap after the replay
-        argmax_rows(self.logits[:size], out=self.sampled[:size])
+        argmax_rows(self.logits[:size], out=self.sampled[:size],
+                    host=(self.host_samples, self.host_slot))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -162,13 +168,15 @@ class DecodeGraphs:
             tables: list[list[int]], lens: list[int], with_rows: bool):
         """Replay for len(ids) sequences (`sources` as in fill_host_inputs; `tables` the
         sequences' own block-table lists); returns (logits [n, vocab], rows [n, layers, hidden]
-        or None) as views of the static buffers (valid until the next run is queued). Each
-        row's greedy sample (the argmax of its logits) is in `sampled`[:n] after the replay."""
+        or None, greedy [n]) as views of the static buffers (valid until the next run is
+        queued). Each row's greedy sample (the argmax of its logits) is in `sampled`[:n] after
+        the replay, and in the pinned `greedy` once the replay is done (valid until the run
+        after the next is queued)."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         t = self._turn
         self._turn ^= 1
-        fill_host_inputs(self.host_meta_np[t], ids, sources, positions, slots, lens, size)
+        fill_host_inputs(self.host_meta_np[t, :5], ids, sources, positions, slots, lens, size)
         # NOTE: host-to-device copies only between contiguous buffers (a strided one goes
         # through a pageable temporary, and a pageable copy may wait for the device): meta
         # whole, the tables packed [n, width], then spread on the device
@@ -180,4 +188,4 @@ class DecodeGraphs:
             self.tables[:n, :width].copy_(stage.view(n, width))
         self.graphs[(size, with_rows and self.rows is not None)].replay()
         rows = self.rows[:n] if with_rows and self.rows is not None else None
-        return self.logits[:n], rows
+        return self.logits[:n], rows, self.host_samples[t, :n]

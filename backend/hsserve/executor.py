@@ -240,7 +240,7 @@ class Executor:
         g = self.graphs
         graph = g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks)
         forward = self._forward_graph if graph else self._forward_eager
-        logits, captured, layers, slices, last_only = forward(chunks, sources, sampled)
+        logits, captured, layers, slices, last_only, greedy = forward(chunks, sources, sampled)
         tokens = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
@@ -250,15 +250,15 @@ class Executor:
             where = self.sampled[: len(sampling)]
             cuda = self.device.type == "cuda"
             if graph and len(sampling) == len(chunks) and all(p.greedy for p in params):
-                # NOTE: the replay's own argmax wrote them, row by row
-                samples = where if cuda else where.clone()
+                # NOTE: the replay's own argmax wrote them, row by row, here and to the host
+                tokens = greedy
             else:
                 samples = sample(logits, params, [c.seq.seed for c in sampling],
                                  [c.end - c.seq.num_prompt_tokens for c in sampling],
                                  out=where if cuda else None)
                 if not cuda:
                     where.copy_(samples)
-            tokens = download(samples)
+                tokens = download(samples)
         if captured is not None:
             if self._fetch_stream is not None and last_only:
                 # NOTE: MODE=last only: the rows stay on the device, and the one a sequence ends
@@ -340,7 +340,7 @@ class Executor:
         captured = capture.out if capture is not None else None
         last_only = all(c.seq.hidden_mode != HiddenStatesMode.FULL
                         for c, (_, n) in zip(chunks, capture_slices) if n)
-        return logits, captured, layers, capture_slices, last_only
+        return logits, captured, layers, capture_slices, last_only, None
 
     def _forward_graph(self, chunks: list[Chunk], sources: list[int], sampled: list[bool]):
         """A decode-only step through the captured graphs."""
@@ -370,7 +370,7 @@ class Executor:
         if keep and len(wanted_layers) < len(g.layers):
             column = {k: j for j, k in enumerate(g.layers)}
             cols = upload([column[k] for k in wanted_layers], dev)
-        logits, rows = g.run(
+        logits, rows, greedy = g.run(
             [0 if c.ahead else c.seq.token_ids[c.start] for c in chunks],
             sources,
             [c.start for c in chunks],
@@ -389,4 +389,4 @@ class Executor:
             if cols is not None:  # NOTE: only the layers asked for leave the GPU
                 captured = captured[:, cols]
                 layers = wanted_layers
-        return logits, captured, layers, slices, not full
+        return logits, captured, layers, slices, not full, greedy

@@ -75,6 +75,14 @@ def test_varlen_attention_sliding_window():
     check_varlen("cuda", torch.bfloat16, 32, 8, 128, [(0, 700), (1500, 40), (900, 1)], window=512)
 
 
+@pytest.mark.parametrize("dtype, rows, hidden, head_dim", [(torch.bfloat16, 1, 2048, 64),
+                                                            (torch.float32, 300, 576, 64)])
+def test_embed_rotary_matches_reference(dtype, rows, hidden, head_dim):
+    from kernel_cases import check_embed_rotary
+
+    check_embed_rotary("cuda", dtype, rows, hidden, head_dim)
+
+
 @pytest.mark.parametrize("rows, vocab", [(1, 128256), (3, 49152), (64, 128256), (5, 1000)])
 def test_argmax_matches_torch(rows, vocab):
     from kernel_cases import check_argmax

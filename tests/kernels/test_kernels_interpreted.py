@@ -90,6 +90,13 @@ def test_varlen_attention_sliding_window():
     check_varlen("cpu", torch.float32, 8, 2, 32, [(0, 40), (50, 3)], window=24)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_embed_rotary_matches_reference(rows):
+    from kernel_cases import check_embed_rotary
+
+    check_embed_rotary("cpu", torch.float32, rows, 96, 16)
+
+
 @pytest.mark.parametrize("rows, vocab", [(1, 5000), (3, 4097)])
 def test_argmax_matches_torch(rows, vocab):
     from kernel_cases import check_argmax

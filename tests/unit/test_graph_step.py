@@ -38,7 +38,7 @@ class FakeGraphs:
         self.sampled[:n] = logits.argmax(-1)  # NOTE: as the real graphs' own argmax does
         rows = torch.arange(n)[:, None, None] * 10 + torch.arange(len(LAYERS))[None, :, None]
         rows = rows.expand(n, len(LAYERS), HIDDEN).float()
-        return logits, rows if with_rows else None
+        return logits, rows if with_rows else None, self.sampled[:n].clone()  # NOTE: "pinned"
 
 
 def make_executor() -> Executor:
@@ -127,12 +127,12 @@ class StaticGraphs(FakeGraphs):
         self.buffer = torch.zeros(self.max_batch, len(LAYERS), HIDDEN)
 
     def run(self, *inputs, with_rows):
-        logits, _ = super().run(*inputs, with_rows=False)
+        logits, _, greedy = super().run(*inputs, with_rows=False)
         n = len(inputs[0])
         if with_rows:
             self.buffer[:n] = (100.0 * len(self.calls) + 10 * torch.arange(n)[:, None, None]
                                + torch.arange(len(LAYERS))[None, :, None])
-        return logits, self.buffer[:n] if with_rows else None
+        return logits, self.buffer[:n] if with_rows else None, greedy
 
 
 def last_mode_steps(ending: str):

@@ -3,7 +3,10 @@
 torch's argmax reduces a row of 128k logits in one thread block: 28 us for one row and 39 us for
 64 rows on the H200, 3% of a decode step. Here the vocabulary is split across programs: pass 1
 writes each slice's (max, first index of it), pass 2 picks the first slice holding the row's
-max, so ties resolve to the lowest index as torch's do.
+max, so ties resolve to the lowest index as torch's do. Pass 2 can also store each sample into
+pinned host memory (through its unified address: no copy on the stream after the kernel), in
+one of several host slots named by a device scalar, so that the decode graphs hand their samples
+to the host without a device-to-host copy (+11 us a batch-1 step on the H200).
 """
 
 from __future__ import annotations
@@ -31,26 +34,37 @@ def _slice_max_kernel(X, VALS, IDX, stride_x, n, num_slices, SLICE: tl.constexpr
 
 
 @triton.jit
-def _pick_kernel(VALS, IDX, OUT, num_slices, PAD: tl.constexpr):
+def _pick_kernel(VALS, IDX, OUT, HOST, SLOT, stride_host, num_slices, PAD: tl.constexpr,
+                 TO_HOST: tl.constexpr):
     r = tl.program_id(0)
     s = tl.arange(0, PAD)
     v = tl.load(VALS + r * num_slices + s, mask=s < num_slices, other=float("-inf"))
     best = tl.max(v, 0)
     k = tl.min(tl.where(v == best, s, PAD), 0)  # NOTE: the first slice holding the max
     k = tl.minimum(k, num_slices - 1)  # NOTE: a NaN row matches nothing: stay in the row
-    tl.store(OUT + r, tl.load(IDX + r * num_slices + k))
+    token = tl.load(IDX + r * num_slices + k)
+    tl.store(OUT + r, token)
+    if TO_HOST:
+        tl.store(HOST + tl.load(SLOT) * stride_host + r, token)
 
 
-def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None,
+                host: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """logits [rows, vocab] float32 -> the first index of each row's max [rows] int64 (the
     kernels on CUDA, torch's argmax, their reference, elsewhere), into `out` when given (a
-    contiguous int64 [rows]: the engine's samples buffer, no copy after)."""
+    contiguous int64 [rows]: the engine's samples buffer, no copy after). host: (pinned int64
+    [slots, >= rows], device int64 scalar slot): the samples also go to that host row, written
+    by the kernel (on CUDA; elsewhere copied)."""
     if logits.device.type != "cuda" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
-    return argmax_triton(logits, out)
+        out = logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
+        if host is not None:
+            host[0][int(host[1]), : len(out)].copy_(out)
+        return out
+    return argmax_triton(logits, out, host)
 
 
-def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None,
+                  host: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     rows, n = logits.shape
     num_slices = triton.cdiv(n, _SLICE)
     vals = torch.empty(rows, num_slices, dtype=torch.float32, device=logits.device)
@@ -61,5 +75,10 @@ def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if rows:
         _slice_max_kernel[(rows, num_slices)](logits, vals, idx, logits.stride(0), n, num_slices,
                                               SLICE=_SLICE)
-        _pick_kernel[(rows,)](vals, idx, out, num_slices, PAD=triton.next_power_of_2(num_slices))
+        buf, slot = host if host is not None else (out, out)
+        assert host is None or (buf.device.type == "cpu" and buf.dtype == torch.int64
+                                and buf.shape[1] >= rows and buf.stride(1) == 1
+                                and (buf.is_pinned() or triton.knobs.runtime.interpret))
+        _pick_kernel[(rows,)](vals, idx, out, buf, slot, buf.stride(0), num_slices,
+                              PAD=triton.next_power_of_2(num_slices), TO_HOST=host is not None)
     return out

@@ -3,6 +3,8 @@
 - add_rmsnorm: (x + residual) -> (RMSNorm of the sum, the sum): one pass instead of ~8 kernels.
 - rotary_: rotate q and k heads in place from float32 cos/sin of each token's position.
 - silu_mul: silu(gate) * up from the fused gate_up output.
+- embed_rotary: a forward's first kernel: the tokens' embedding rows and the float32 cos / sin of
+  their positions' rotary angles (five torch kernels otherwise, each a gap in a decode graph).
 
 With the norms folded into the GEMMs (Decoder.fold_norms) a GEMM reads the residual stream itself
 and its output rows still need the norm's 1 / rms(row): rotary_store_ and silu_mul take the
@@ -19,7 +21,58 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from triton.language.extra import libdevice
+
 from hsserve.kernels.pdl import pdl_enter, pdl_on
+
+# ---- embedding and rotary angles --------------------------------------------------------------
+
+
+def embed_rotary_ref(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
+                     inv_freq: torch.Tensor):
+    """(embed rows of ids [rows, hidden], cos [rows, half], sin [rows, half]), the angles
+    float32 positions x inverse frequencies."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return F.embedding(ids, embed), freqs.cos(), freqs.sin()
+
+
+@triton.jit
+def _embed_rotary_kernel(IDS, POS, E, FREQ, X, COS, SIN, hidden, half, BLOCK: tl.constexpr,
+                         HALF: tl.constexpr, LIBDEVICE: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    row = tl.load(IDS + t).to(tl.int64)
+    tl.store(X + t * hidden + cols, tl.load(E + row * hidden + cols, mask=cols < hidden),
+             mask=cols < hidden)
+    j = tl.arange(0, HALF)
+    angle = tl.load(POS + t).to(tl.float32) * tl.load(FREQ + j, mask=j < half, other=0.0)
+    if LIBDEVICE:  # NOTE: CUDA's accurate cosf / sinf (angles reach 1e5 rad), as torch's
+        cos, sin = libdevice.cos(angle), libdevice.sin(angle)
+    else:  # NOTE: the interpreter (numpy)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+    tl.store(COS + t * half + j, cos, mask=j < half)
+    tl.store(SIN + t * half + j, sin, mask=j < half)
+
+
+def embed_rotary(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
+                 inv_freq: torch.Tensor):
+    """The kernel on CUDA (contiguous embed and float32 inv_freq), the reference elsewhere."""
+    if not ids.is_cuda or not embed.is_contiguous() or inv_freq.dtype != torch.float32:
+        return embed_rotary_ref(ids, positions, embed, inv_freq)
+    return embed_rotary_triton(ids, positions, embed, inv_freq)
+
+
+def embed_rotary_triton(ids, positions, embed, inv_freq):
+    rows, (hidden, half) = len(ids), (embed.shape[1], len(inv_freq))
+    x = torch.empty(rows, hidden, dtype=embed.dtype, device=embed.device)
+    cos = torch.empty(rows, half, dtype=torch.float32, device=embed.device)
+    sin = torch.empty_like(cos)
+    if rows:
+        _embed_rotary_kernel[(rows,)](ids, positions, embed, inv_freq, x, cos, sin, hidden, half,
+                                      BLOCK=triton.next_power_of_2(hidden),
+                                      HALF=triton.next_power_of_2(half),
+                                      LIBDEVICE=not triton.knobs.runtime.interpret)
+    return x, cos, sin
 
 # ---- 1 / rms of a row -------------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ program loads its slab of W (BLOCK_N whole rows, ~32 KB) before it waits for the
 with PDL on, the next product's weights stream in while this one finishes, as in one persistent
 kernel. The weights never depend on the previous kernel, so only x and y wait.
 
+The plain product can also RMS-norm x first (the decoder's final norm before the lm_head, whose
+weight is tied to the embedding and cannot take the norm's weight) and write float32 (logits).
 Two products carry the kernel that followed them in their epilogue (and, for folded norms, the
 1 / rms of x, which they hold whole anyway): gemv_silu_mul (the MLP's gate_up, then
 SiLU-and-multiply) and gemv_rotary_store (attention's qkv, then rotary on q and k and the k/v
@@ -46,16 +48,21 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, into: torch.Tensor | None = None)
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, K, stride_x, stride_y, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KP: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(X, W, Y, NW, K, eps, stride_x, stride_y, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, ADD: tl.constexpr,
+                 HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, KP)
     kmask = rk < K
     w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=kmask[None, :], other=0.0)
+    if HAS_NORM:
+        nw = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
     pdl_enter(PDL)  # NOTE: x and y come from the previous kernel; W did not
     for m in tl.static_range(ROWS):
         x = tl.load(X + m * stride_x + rk, mask=kmask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            x = x * tl.rsqrt(tl.sum(x * x, 0) / K + eps) * nw
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if ADD:
             acc += tl.load(Y + m * stride_y + rn).to(tl.float32)
@@ -79,18 +86,27 @@ def _launch_args(x: torch.Tensor, w: torch.Tensor, pdl: bool | None) -> tuple[in
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, into: torch.Tensor | None = None,
-         pdl: bool | None = None, config: tuple[int, int] | None = None) -> torch.Tensor:
-    """x [rows <= MAX_ROWS, K] (rows contiguous), w [N, K] contiguous -> [rows, N] in x's dtype;
-    with `into` ([rows, N]) the product is added to it in place. pdl None: where supported."""
+         pdl: bool | None = None, config: tuple[int, int] | None = None,
+         out: torch.Tensor | None = None,
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """x [rows <= MAX_ROWS, K] (rows contiguous), w [N, K] contiguous -> [rows, N] in x's dtype
+    (or written into `out`, [rows, N] of any float dtype); with `into` ([rows, N]) the product is
+    added to it in place. norm (weight [K], eps): x's rows RMS-normed first (add_rmsnorm_ref's
+    formula, kept in float32 where it rounds to x's dtype). pdl None: where supported."""
     rows, k, pdl = _launch_args(x, w, pdl)
     n = w.shape[0]
-    assert into is None or (into.shape == (rows, n) and into.stride(1) == 1)
-    y = into if into is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    assert into is None or out is None
+    y = into if into is not None else out
+    assert y is None or (y.shape == (rows, n) and y.stride(1) == 1)
+    if y is None:
+        y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    nw, eps = norm if norm is not None else (w, 0.0)
+    assert norm is None or (nw.shape == (k,) and nw.is_contiguous())
     block_n, warps = config or gemv_config(n, k, w.element_size())
-    _gemv_kernel[(n // block_n,)](x, w, y, k, x.stride(0), y.stride(0), ROWS=rows,
+    _gemv_kernel[(n // block_n,)](x, w, y, nw, k, eps, x.stride(0), y.stride(0), ROWS=rows,
                                   BLOCK_N=block_n, KP=triton.next_power_of_2(k),
-                                  ADD=into is not None, PDL=pdl, num_warps=warps,
-                                  launch_pdl=pdl)
+                                  ADD=into is not None, HAS_NORM=norm is not None, PDL=pdl,
+                                  num_warps=warps, launch_pdl=pdl)
     return y
 
 

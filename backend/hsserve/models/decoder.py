@@ -20,9 +20,9 @@ from torch import nn
 from hsserve.attention_batch import AttentionBatch
 from hsserve.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, store_kv
-from hsserve.kernels.elementwise import (add_rmsnorm, rms_inverse_ref, rotary_, rotary_store_,
-                                         silu_mul)
-from hsserve.kernels.gemv import gemv_rotary_store, gemv_silu_mul
+from hsserve.kernels.elementwise import (add_rmsnorm, embed_rotary, rms_inverse_ref, rotary_,
+                                         rotary_store_, silu_mul)
+from hsserve.kernels.gemv import gemv, gemv_fits, gemv_rotary_store, gemv_silu_mul
 from hsserve.models.linear import Linear
 from hsserve.models.rope import apply_rotary, inverse_frequencies
 from hsserve.models.spec import ModelSpec
@@ -197,11 +197,37 @@ class Decoder(nn.Module):
         capture: HiddenCapture | None = None,
     ) -> torch.Tensor:
         """Returns the final-norm hidden states [tokens, hidden]; kv_cache is [L, 2, ...]."""
-        x = F.embedding(input_ids, self.embed)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        if x.is_cuda:
-            rope = Rotary(freqs.cos(), freqs.sin(), fused=True)
+        return self._final(*self._layers(input_ids, positions, batch, kv_cache, capture),
+                           capture)
+
+    def decode_logits(self, input_ids, positions, batch, kv_cache, capture, out) -> None:
+        """forward, then the float32 logits of every row into `out`. At one row on CUDA with the
+        norms folded, and the final norm's rows not captured, the final norm is done by the
+        lm_head's GEMV (one kernel instead of the norm's and cuBLAS's)."""
+        x, residual = self._layers(input_ids, positions, batch, kv_cache, capture)
+        w = self.lm_head.weight
+        if (residual is None and (capture is None or not capture.wants(len(self.layers)))
+                and gemv_fits(x, w)):
+            gemv(x, w, out=out, norm=(self.norm.weight, self.norm.eps))
         else:
+            self.logits(self._final(x, residual, capture), out=out)
+
+    def _final(self, x, residual, capture):
+        """The final norm of _layers' (x, residual), its rows captured."""
+        x = self.norm(x, residual)[0] if residual is not None else self.norm(x)
+        if capture is not None:
+            capture.take(len(self.layers), x)
+        return x
+
+    def _layers(self, input_ids, positions, batch, kv_cache, capture):
+        """embed -> layers: (x, residual) to which the final norm applies (residual None when
+        the norms are folded: x is the stream)."""
+        if input_ids.is_cuda:  # NOTE: one kernel
+            x, cos, sin = embed_rotary(input_ids, positions, self.embed, self.inv_freq)
+            rope = Rotary(cos, sin, fused=True)
+        else:
+            x = F.embedding(input_ids, self.embed)
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             rope = Rotary(emb.cos().to(x.dtype), emb.sin().to(x.dtype), fused=False)
         if capture is not None:
@@ -212,17 +238,14 @@ class Decoder(nn.Module):
                 x = layer.forward_folded(x, rope, batch, kv_cache[i])
                 if capture is not None and i + 1 < last and capture.wants(i + 1):
                     capture.take(i + 1, x)  # NOTE: the stream is the layer's output
-            x = self.norm(x)
-        else:
-            residual = None
-            for i, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, rope, batch, kv_cache[i])
-                if capture is not None and i + 1 < last and capture.wants(i + 1):
-                    capture.take(i + 1, residual + x)  # NOTE: the layer's output, as the next norm sees it
-            x, _ = self.norm(x, residual)
-        if capture is not None:
-            capture.take(last, x)
-        return x
+            return x, None
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, rope, batch, kv_cache[i])
+            if capture is not None and i + 1 < last and capture.wants(i + 1):
+                # NOTE: the layer's output, as the next norm sees it
+                capture.take(i + 1, residual + x)
+        return x, residual
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [rows, vocab] (into `out` when given). On CUDA the GEMM writes float32
