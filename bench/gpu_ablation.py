@@ -28,6 +28,7 @@ from shapes import random_model  # noqa: E402
 from hsserve import HiddenStatesMode  # noqa: E402
 from hsserve.kernels.pdl import pdl_enter, pdl_on  # noqa: E402
 from hsserve.kernels import gemv as gemv_module  # noqa: E402
+from hsserve.kernels import paged_decode_attention  # noqa: E402
 from hsserve.models import decoder  # noqa: E402
 from hsserve import cuda_graphs  # noqa: E402
 from hsserve.kernels.elementwise import embed_rotary_ref  # noqa: E402
@@ -148,6 +149,7 @@ def _head(norm: bool, lm_head: bool):
 
 
 D, G, M = decoder, gemv_module, decoder.MLP
+PDA = paged_decode_attention
 # NOTE: name -> [(object, attribute, replacement)]
 VARIANTS = {
     "full": [],
@@ -200,6 +202,9 @@ VARIANTS = {
     "attn_16_1_1_splits4": _attention_config(16, 1, 1) + _splits(4),
     "attn_16_4_1_splits4": _attention_config(16, 4, 1) + _splits(4),
     "attn_32_4_1_splits4": _attention_config(32, 4, 1) + _splits(4),
+    # NOTE: L2 hints: the weights without their evict_first; the KV cache kept
+    "w_no_hint": [(G, "_W_POLICY", "")],
+    "kv_evict_last": [(PDA, "_KV_POLICY", "evict_last")],
     "warps2": [(G, "gemv_config", _warps(2))],
     "warps8": [(G, "gemv_config", _warps(8))],
 }

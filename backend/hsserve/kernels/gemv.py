@@ -6,7 +6,9 @@ shape's 8 MB o_proj, a third of the bandwidth), and every kernel boundary drains
 program loads its slab of W (BLOCK_N whole rows, ~32 KB) before it waits for the previous kernel
 (griddepcontrol.wait), and lets the next kernel launch at once (griddepcontrol.launch_dependents):
 with PDL on, the next product's weights stream in while this one finishes, as in one persistent
-kernel. The weights never depend on the previous kernel, so only x and y wait.
+kernel. The weights never depend on the previous kernel, so only x and y wait. They are loaded
+evict_first: streamed through L2 once a step, they no longer push out what the step reads again
+(activations, the KV cache, the attention splits' partials).
 
 The plain product can also RMS-norm x first (the decoder's final norm before the lm_head, whose
 weight is tied to the embedding and cannot take the norm's weight) and write float32 (logits).
@@ -31,6 +33,9 @@ MAX_ROWS = 1  # NOTE: at 4 rows the 1B layer's GEMVs took 65 us against cuBLAS's
 # NOTE: W bytes per program; H200, 1B shape, batch-1 graph (bench/gpu_ablation.py): 32 KB 17-25 us
 # a step faster than 16 KB, 64 KB 100 us slower
 _SLAB_BYTES = 32 << 10
+# NOTE: the weights stream through L2 once a step: marked first to go, they leave the rest of
+# L2 alone (H200, 1B batch-1 graph, bench/gpu_ablation.py: -19 to -22 us a step)
+_W_POLICY = "evict_first"
 _MAX_ROW_BYTES = 32 << 10  # NOTE: one whole row of W per program at least; above this, cuBLAS
 
 
@@ -48,14 +53,21 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, into: torch.Tensor | None = None)
 
 
 @triton.jit
+def _weights(ptrs, kmask, POLICY: tl.constexpr):
+    """A slab of W [rows, KP] (columns past K zero), loaded with the weights' L2 policy."""
+    return tl.load(ptrs, mask=kmask[None, :], other=0.0, eviction_policy=POLICY)
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, NW, K, eps, stride_x, stride_y, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, KP: tl.constexpr, ADD: tl.constexpr,
-                 HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                 HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+                 W_POLICY: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, KP)
     kmask = rk < K
-    w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=kmask[None, :], other=0.0)
+    w = _weights(W + rn[:, None].to(tl.int64) * K + rk[None, :], kmask, W_POLICY)
     if HAS_NORM:
         nw = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
     pdl_enter(PDL)  # NOTE: x and y come from the previous kernel; W did not
@@ -106,7 +118,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, into: torch.Tensor | None = None,
     _gemv_kernel[(n // block_n,)](x, w, y, nw, k, eps, x.stride(0), y.stride(0), ROWS=rows,
                                   BLOCK_N=block_n, KP=triton.next_power_of_2(k),
                                   ADD=into is not None, HAS_NORM=norm is not None, PDL=pdl,
-                                  num_warps=warps, launch_pdl=pdl)
+                                  W_POLICY=_W_POLICY, num_warps=warps,
+                                  launch_pdl=pdl)
     return y
 
 
@@ -126,14 +139,15 @@ def _two_products(x_row, w1, w2, rk, kmask, K, eps, HAS_RMS: tl.constexpr):
 @triton.jit
 def _gemv_silu_mul_kernel(X, W, Y, K, half, eps, stride_x, stride_y, ROWS: tl.constexpr,
                           BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_RMS: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr,
+                          W_POLICY: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, KP)
     kmask = rk < K
     gate = W + rn[:, None].to(tl.int64) * K + rk[None, :]
-    wg = tl.load(gate, mask=kmask[None, :], other=0.0)
-    wu = tl.load(gate + half.to(tl.int64) * K, mask=kmask[None, :], other=0.0)
+    wg = _weights(gate, kmask, W_POLICY)
+    wu = _weights(gate + half.to(tl.int64) * K, kmask, W_POLICY)
     pdl_enter(PDL)
     for m in tl.static_range(ROWS):
         g, u = _two_products(X + m * stride_x, wg, wu, rk, kmask, K, eps, HAS_RMS)
@@ -150,8 +164,8 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, rms_eps: float | None = None
     block_n, warps = gemv_config(half, k, 2 * w.element_size())  # NOTE: two slabs a program
     _gemv_silu_mul_kernel[(half // block_n,)](
         x, w, y, k, half, rms_eps or 0.0, x.stride(0), y.stride(0), ROWS=rows, BLOCK_N=block_n,
-        KP=triton.next_power_of_2(k), HAS_RMS=rms_eps is not None, PDL=pdl, num_warps=warps,
-        launch_pdl=pdl)
+        KP=triton.next_power_of_2(k), HAS_RMS=rms_eps is not None, PDL=pdl, W_POLICY=_W_POLICY,
+        num_warps=warps, launch_pdl=pdl)
     return y
 
 
@@ -160,7 +174,8 @@ def _gemv_rotary_store_kernel(X, W, Q, COS, SIN, KV, SLOTS, K, eps, stride_x, st
                               stride_qh, stride_c, stride_half, stride_slot, stride_head,
                               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                               HALF: tl.constexpr, PAIRS: tl.constexpr, KP: tl.constexpr,
-                              ROWS: tl.constexpr, HAS_RMS: tl.constexpr, PDL: tl.constexpr):
+                              ROWS: tl.constexpr, HAS_RMS: tl.constexpr, PDL: tl.constexpr,
+                              W_POLICY: tl.constexpr):
     # NOTE: a program owns PAIRS rotation pairs of one head: W rows i and i + HALF of it
     pid = tl.program_id(0)
     head = pid * PAIRS // HALF
@@ -168,8 +183,8 @@ def _gemv_rotary_store_kernel(X, W, Q, COS, SIN, KV, SLOTS, K, eps, stride_x, st
     rk = tl.arange(0, KP)
     kmask = rk < K
     lo = W + (head * 2 * HALF + i)[:, None].to(tl.int64) * K + rk[None, :]
-    w1 = tl.load(lo, mask=kmask[None, :], other=0.0)
-    w2 = tl.load(lo + HALF * K, mask=kmask[None, :], other=0.0)
+    w1 = _weights(lo, kmask, W_POLICY)
+    w2 = _weights(lo + HALF * K, kmask, W_POLICY)
     pdl_enter(PDL)
     for m in tl.static_range(ROWS):
         a, b = _two_products(X + m * stride_x, w1, w2, rk, kmask, K, eps, HAS_RMS)
@@ -208,5 +223,6 @@ def gemv_rotary_store(x: torch.Tensor, w: torch.Tensor, num_heads: int, num_kv_h
         x, w, q, cos, sin, flat, slots, k, rms_eps or 0.0, x.stride(0), q.stride(0), q.stride(1),
         cos.stride(0), flat.stride(0), flat.stride(1), flat.stride(2), NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HALF=d // 2, PAIRS=pairs, KP=triton.next_power_of_2(k),
-        ROWS=rows, HAS_RMS=rms_eps is not None, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        ROWS=rows, HAS_RMS=rms_eps is not None, PDL=pdl, W_POLICY=_W_POLICY,
+        num_warps=warps, launch_pdl=pdl)
     return q

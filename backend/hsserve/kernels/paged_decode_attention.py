@@ -81,6 +81,7 @@ def _decode_split_kernel(
     PAGES: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    KV_POLICY: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -116,8 +117,9 @@ def _decode_split_kernel(
         keys, visible, base = _tile(first, last, pos, window, n, b, kvh, TABLES, KV, stride_tb,
                                     stride_block, stride_tok, stride_head, BLOCK_SIZE)
         old = (visible & (keys < pos))[:, None]
-        k = tl.load(base[:, None] + d[None, :], mask=old, other=0.0)
-        v = tl.load(base[:, None] + stride_half + d[None, :], mask=old, other=0.0)
+        k = tl.load(base[:, None] + d[None, :], mask=old, other=0.0, eviction_policy=KV_POLICY)
+        v = tl.load(base[:, None] + stride_half + d[None, :], mask=old, other=0.0,
+                    eviction_policy=KV_POLICY)
         pdl_enter(PDL)
         own = (visible & (keys == pos))[:, None]
         k = tl.where(own, tl.load(base[:, None] + d[None, :], mask=own, other=0.0), k)
@@ -131,8 +133,10 @@ def _decode_split_kernel(
     for page0 in range(start, last, PAGES):
         keys, visible, base = _tile(page0, last, pos, window, n, b, kvh, TABLES, KV, stride_tb,
                                     stride_block, stride_tok, stride_head, BLOCK_SIZE)
-        k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0)
-        v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0)
+        k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0,
+                    eviction_policy=KV_POLICY)
+        v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0,
+                    eviction_policy=KV_POLICY)
         m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
     if single:  # NOTE: split 0, the only active one
         o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
@@ -222,6 +226,7 @@ def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, like_m, like_acc, stride_
 _CONFIG = (64, 4, 3)
 _PDL_CONFIG = (64, 4, 3)
 _MERGE_CHUNK = 4  # NOTE: splits merged per load (see _merge_splits)
+_KV_POLICY = ""  # NOTE: the keys' and values' L2 eviction policy ("" = the default)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_pages: int, num_sms: int = 132) -> int:
@@ -280,6 +285,6 @@ def paged_decode_attention(
         HEAD_DIM=d,
         PAGES=max(1, tokens // block_size),
         IEEE=q.dtype == torch.float32,
-        PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        PDL=pdl, KV_POLICY=_KV_POLICY, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     return out
