@@ -196,6 +196,8 @@ VARIANTS = {
     # 16/4 96, 16/2 147 x 64 threads, 16/1 178 x 32), so that attention and o_proj programs
     # are resident beside the qkv / attention programs before their wait
     "attn_32_4_2": _attention_config(32, 4, 2),
+    "attn_64_8_1": _attention_config(64, 8, 1),  # NOTE: 141 registers, no spills
+    "attn_128_16_1": _attention_config(128, 16, 1),  # NOTE: 128 registers, no spills
     "attn_16_4_1": _attention_config(16, 4, 1),
     "attn_16_2_1": _attention_config(16, 2, 1),
     "attn_16_1_1": _attention_config(16, 1, 1),

@@ -221,10 +221,11 @@ def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, like_m, like_acc, stride_
 # NOTE: (keys per loop step of a split (whole pages), num_warps, num_stages), without and with PDL;
 # H200, 1B shape, 192 keys, 16 layers' caches in a graph (bench/attention_tune.py): batch 64 at
 # 64 keys / 4 warps 10.4-10.8 us for 2-4 stages (32 or 128 keys, 2 or 8 warps: 11.5-16); at 1024
-# keys 128 keys a step was 7% faster. Batch 1 (PDL, 16 splits) alone 3.8 us at 3 stages, 3.4 at 1,
-# but in the step's graph (bench/gpu_ablation.py) 1 or 2 stages, 32 keys: no gain beyond noise
+# keys 128 keys a step was 7% faster. Batch 1 (PDL): in the step's graph (bench/gpu_ablation.py,
+# 256 keys, GEMV weights evict_first) 128 keys / 8 warps / 1 stage 5-12 us a step faster than
+# 64 / 4 / 3; alone 3.5 / 8.8 / 33.1 us at 256 / 4096 / 32768 keys against 3.5 / 11.5 / 40.4
 _CONFIG = (64, 4, 3)
-_PDL_CONFIG = (64, 4, 3)
+_PDL_CONFIG = (128, 8, 1)
 _MERGE_CHUNK = 4  # NOTE: splits merged per load (see _merge_splits)
 _KV_POLICY = ""  # NOTE: the keys' and values' L2 eviction policy ("" = the default)
 
