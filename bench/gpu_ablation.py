@@ -119,7 +119,7 @@ def _attention_config(tokens: int, warps: int, stages: int):
     """The batch-1 (PDL) decode attention's launch configuration."""
     from hsserve.kernels import paged_decode_attention as pda
 
-    return [(pda, "_PDL_CONFIG", (tokens, warps, stages))]
+    return [(pda, "_PDL_CONFIG", {64: (tokens, warps, stages)})]
 
 
 @_decode_only

@@ -223,9 +223,10 @@ def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, like_m, like_acc, stride_
 # 64 keys / 4 warps 10.4-10.8 us for 2-4 stages (32 or 128 keys, 2 or 8 warps: 11.5-16); at 1024
 # keys 128 keys a step was 7% faster. Batch 1 (PDL): in the step's graph (bench/gpu_ablation.py,
 # 256 keys, GEMV weights evict_first) 128 keys / 8 warps / 1 stage 5-12 us a step faster than
-# 64 / 4 / 3; alone 3.5 / 8.8 / 33.1 us at 256 / 4096 / 32768 keys against 3.5 / 11.5 / 40.4
+# 64 / 4 / 3; alone 3.5 / 8.8 / 33.1 us at 256 / 4096 / 32768 keys against 3.5 / 11.5 / 40.4.
+# Heads of 128 (8B shape) keep 64 / 4 / 3 (with 128 / 8 / 1 its step read 4.051 ms vs 3.925)
 _CONFIG = (64, 4, 3)
-_PDL_CONFIG = (128, 8, 1)
+_PDL_CONFIG = {64: (128, 8, 1)}  # NOTE: head_dim -> config; others: _CONFIG
 _MERGE_CHUNK = 4  # NOTE: splits merged per load (see _merge_splits)
 _KV_POLICY = ""  # NOTE: the keys' and values' L2 eviction policy ("" = the default)
 
@@ -268,7 +269,7 @@ def paged_decode_attention(
         counters = torch.zeros(bsz * kv_heads, dtype=torch.int32, device=q.device)
     assert counters.numel() >= bsz * kv_heads and counters.dtype == torch.int32
     pdl = pdl_on(q)
-    tokens, warps, stages = config or (_PDL_CONFIG if pdl else _CONFIG)
+    tokens, warps, stages = config or (_PDL_CONFIG.get(d, _CONFIG) if pdl else _CONFIG)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
         q, kv, block_tables, seq_lens, acc, stats, out, counters,
         scale, window or 0,
