@@ -171,10 +171,12 @@ def run_direct_sinks(engine: Engine, concurrency: int, n: int, new: int, ids: bo
     return timing, time.perf_counter() - t0
 
 
-def grpc_one(url: str, new: int, use_ids: bool = False, reuse: bool = True):
+def grpc_one(url: str, new: int, use_ids: bool = False, reuse: bool = True,
+             outputs: tuple[str, ...] = ()):
     """One request on a gRPC stream: with `reuse`, each client thread keeps one stream for all
     its requests (as a load generator or a long-lived client does); else a stream (channel,
-    connection) is opened and closed per request, and its set-up counts as serving time."""
+    connection) is opened and closed per request, and its set-up counts as serving time.
+    outputs: the outputs each request names (none: all)."""
     from triton_helpers import GrpcStream
 
     local = threading.local()
@@ -188,7 +190,7 @@ def grpc_one(url: str, new: int, use_ids: bool = False, reuse: bool = True):
         start = time.perf_counter()
         text = dict(input_ids=prompt_ids(i)) if use_ids else dict(text_input=prompt(i))
         s.send(dict(**text, max_tokens=new, temperature=0.0, ignore_eos=True, stream=True),
-               request_id=f"g{i}")
+               request_id=f"g{i}", outputs=outputs)
         arrivals = []
         while True:
             result, error = s.queue.get(timeout=600)
@@ -214,14 +216,14 @@ def grpc_one(url: str, new: int, use_ids: bool = False, reuse: bool = True):
 
 
 def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
-    url, new, first, n, concurrency, ids, reuse, cpus, start_at = job
+    url, new, first, n, concurrency, ids, reuse, outputs, cpus, start_at = job
     if cpus:
         os.sched_setaffinity(0, cpus)
     # NOTE: every process starts at the same wall-clock moment (spawned processes are ready at
     # different times, seconds apart: their skew would count as serving time)
     time.sleep(max(0.0, start_at - time.time()))
     t0 = time.time()
-    timing, _ = run_pool(concurrency, n, grpc_one(url, new, ids, reuse), first)
+    timing, _ = run_pool(concurrency, n, grpc_one(url, new, ids, reuse, outputs), first)
     return timing.ttft, timing.itl, timing.tokens, t0, time.time()
 
 
@@ -231,7 +233,7 @@ def _pid_after(seconds: float) -> int:
 
 
 def run_procs(url: str, new: int, concurrency: int, n: int, procs: int, ids: bool, reuse: bool,
-              cpus: set[int]) -> tuple[Timing, float]:
+              outputs: tuple[str, ...], cpus: set[int]) -> tuple[Timing, float]:
     """gRPC streams from `procs` client processes, concurrency / procs streams each (on `cpus`
     when given)."""
     assert concurrency % procs == 0 and n % procs == 0, "concurrency and requests: multiples of procs"
@@ -240,8 +242,8 @@ def run_procs(url: str, new: int, concurrency: int, n: int, procs: int, ids: boo
         while len(up) < procs:  # NOTE: every worker up (its imports done) before the start time
             up |= set(pool.map(_pid_after, [0.05] * 2 * procs, chunksize=1))
         start_at = time.time() + 1.0
-        jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs, ids, reuse, cpus,
-                 start_at) for p in range(procs)]
+        jobs = [(url, new, p * (n // procs), n // procs, concurrency // procs, ids, reuse,
+                 outputs, cpus, start_at) for p in range(procs)]
         parts = pool.map(_client_proc, jobs, chunksize=1)
     timing = Timing()
     for ttft, itl, tokens, _, _ in parts:
@@ -268,6 +270,8 @@ def main() -> None:
                     help="a folder put first on the engine process's import path (as the stub's, e.g. "
                          "numpy<2 for tritonserver 2.51), for a second engine-process row")
     ap.add_argument("--no-server", action="store_true", help="engine rows only")
+    ap.add_argument("--outputs", nargs="*", default=[], metavar="NAME",
+                    help="the outputs each gRPC request names (default none: all of them)")
     ap.add_argument("--param", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine parameters (config.pbtxt keys) for the engine and the served model")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_triton.json"))
@@ -282,6 +286,7 @@ def main() -> None:
         client_cpus = set(cpus[-args.client_cpus:])
         os.sched_setaffinity(0, set(cpus[: -args.client_cpus]))  # NOTE: inherited by the server
     params = dict(p.split("=", 1) for p in args.param)
+    outputs = tuple(args.outputs)
     ids = bool(args.shape)
     if ids:
         from shapes import random_model
@@ -337,9 +342,10 @@ def main() -> None:
                 reuse = mode == "reuse"
                 if args.client_procs > 1 and c >= args.client_procs:
                     timing, wall = run_procs(server.grpc_url, args.new, c, n, args.client_procs,
-                                             ids, reuse, client_cpus)
+                                             ids, reuse, outputs, client_cpus)
                 else:
-                    timing, wall = run_pool(c, n, grpc_one(server.grpc_url, args.new, ids, reuse))
+                    timing, wall = run_pool(c, n, grpc_one(server.grpc_url, args.new, ids, reuse,
+                                                           outputs))
                 row, ratio = f"grpc_{mode}", f"ratio_{mode}"
                 if k == 0:  # NOTE: the first listed: the keys the results have always used
                     row, ratio = "grpc_stream", "ratio"
@@ -356,6 +362,7 @@ def main() -> None:
         "new_tokens": args.new,
         "params": params,
         "streams": args.streams,
+        "outputs": list(outputs) or "all",
         "client_cpus": sorted(client_cpus),
         "cpus": os.cpu_count(),
         "rows": [{"concurrency": c, **r} for c, r in rows.items()],

@@ -26,7 +26,7 @@ from hsserve.config import DEFAULT_MODEL, EngineConfig
 from hsserve.engine import Engine
 from hsserve.engine_process import EngineProcess
 from hsserve.request import Delta, EngineUnavailable, FinishReason, RequestError
-from hsserve.triton_io import INPUTS, parse_request
+from hsserve.triton_io import INPUTS, OUTPUTS, parse_request
 from hsserve.server_state import ServerWatch, http_live_url
 from hsserve.triton_metrics import EngineMetrics
 
@@ -52,6 +52,8 @@ class _Inflight:
     # hold this lock, and nothing is asked after `finished`.
     lock: threading.Lock = field(default_factory=threading.Lock)
     finished: bool = False
+    # NOTE: the outputs the client asked for (all when it named none); only these are built
+    outputs: frozenset = frozenset(OUTPUTS)
 
     def send(self, response, final: bool = False) -> None:
         """Send unless the final response has gone (then the request is Triton's no more)."""
@@ -82,6 +84,14 @@ def _numbers(name: str, values: list[int], dtype) -> object:
 
 def _strings(name: str, values: list[str]):
     return pb_utils.Tensor(name, np.array([v.encode("utf-8") for v in values], dtype=np.object_))
+
+
+def requested_outputs(request) -> frozenset:
+    """The outputs a request asked for, all when it named none. Triton drops unrequested
+    outputs from a response anyway; not building them spares the stub's GIL (bench/response_cost.py:
+    output_ids alone 26-39 us of Python a response, with text_output and sequence_index 79-84)."""
+    names = frozenset(request.requested_output_names()) & frozenset(OUTPUTS)
+    return names or frozenset(OUTPUTS)
 
 
 class TritonPythonModel:
@@ -155,6 +165,7 @@ class TritonPythonModel:
                 rid = f"{request.request_id() or 'req'}#{self._counter}"
             state = _Inflight(sender, stream=False)
             try:
+                state.outputs = requested_outputs(request)
                 tensors = {}
                 for name in INPUTS:
                     t = pb_utils.get_input_tensor_by_name(request, name)
@@ -274,19 +285,23 @@ class TritonPythonModel:
             err = pb_utils.TritonError(delta.error or "the engine failed", code)
             state.send_final(pb_utils.InferenceResponse(error=err))
             return
-        outputs = [
-            _strings("text_output", [delta.text]),
-            _numbers("output_ids", delta.token_ids, np.int32),
-            _numbers("sequence_index", [delta.sequence_index], np.uint32),
-        ]
-        if delta.hidden is not None:  # NOTE: responses without rows omit HIDDEN_STATES
+        want = state.outputs
+        outputs = []
+        if "text_output" in want:
+            outputs.append(_strings("text_output", [delta.text]))
+        if "output_ids" in want:
+            outputs.append(_numbers("output_ids", delta.token_ids, np.int32))
+        if "sequence_index" in want:
+            outputs.append(_numbers("sequence_index", [delta.sequence_index], np.uint32))
+        # NOTE: responses without rows omit HIDDEN_STATES
+        if delta.hidden is not None and "HIDDEN_STATES" in want:
             outputs.append(_tensor("HIDDEN_STATES", delta.hidden.to(self.hidden_dtype)))
         if delta.finished:
-            outputs += [
-                _strings("finish_reason", [delta.finish_reason.value]),
-                _numbers("num_input_tokens", [delta.num_input_tokens], np.uint32),
-                _numbers("num_output_tokens", [delta.num_output_tokens], np.uint32),
-            ]
+            if "finish_reason" in want:
+                outputs.append(_strings("finish_reason", [delta.finish_reason.value]))
+            for name in ("num_input_tokens", "num_output_tokens"):
+                if name in want:
+                    outputs.append(_numbers(name, [getattr(delta, name)], np.uint32))
         state.send(pb_utils.InferenceResponse(output_tensors=outputs), final=delta.request_done)
 
     # ---- cancellation watcher -----------------------------------------------------------------

@@ -90,6 +90,21 @@ def test_streaming_full_mode_rows_follow_tokens(triton_server):
         assert r["HIDDEN_STATES"].shape[0] == len(r["output_ids"])
 
 
+def test_a_stream_naming_its_outputs_gets_those_and_the_same_tokens(triton_server):
+    fields = dict(text_input=PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True, MODE="last",
+                  stream=True)
+    every = stream_once(triton_server.grpc_url, fields)
+    some = stream_once(triton_server.grpc_url, fields, outputs=("output_ids", "HIDDEN_STATES"))
+    assert every.error is None and some.error is None
+    ids = lambda got: [int(t) for r in got.responses for t in r["output_ids"]]  # noqa: E731
+    assert ids(some) == ids(every) and len(ids(some)) == 6
+    for name in ("text_output", "finish_reason", "num_output_tokens", "sequence_index"):
+        assert all(r[name] is None for r in some.responses), name
+        assert any(r[name] is not None for r in every.responses), name
+    np.testing.assert_array_equal(some.responses[-1]["HIDDEN_STATES"],
+                                  every.responses[-1]["HIDDEN_STATES"])
+
+
 def test_16_concurrent_streams_equal_alone(triton_server):
     url = triton_server.grpc_url
     modes = ["none", "last", "full", "last"]

@@ -84,9 +84,13 @@ class GrpcStream:
         self.queue: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.queue.put((result, error)))
 
-    def send(self, fields: dict, request_id: str = "", model: str = "llm", raw=None) -> None:
+    def send(self, fields: dict, request_id: str = "", model: str = "llm", raw=None,
+             outputs: tuple[str, ...] = ()) -> None:
+        """outputs: the outputs the request names (none: all)."""
+        asked = [grpcclient.InferRequestedOutput(n) for n in outputs] or None
         self.client.async_stream_infer(model, infer_inputs(grpcclient, fields, raw),
-                                       request_id=request_id, enable_empty_final_response=True)
+                                       outputs=asked, request_id=request_id,
+                                       enable_empty_final_response=True)
 
     def read(self, timeout: float = 300.0) -> Streamed:
         """Responses of one request (the stream carries one request at a time here)."""
@@ -108,10 +112,12 @@ class GrpcStream:
         self.client.close()
 
 
-def stream_once(url: str, fields: dict, raw=None, model: str = "llm") -> Streamed:
+def stream_once(url: str, fields: dict, raw=None, model: str = "llm",
+                outputs: tuple[str, ...] = ()) -> Streamed:
     s = GrpcStream(url)
     try:
-        s.send({"stream": True, **fields} if "stream" not in fields else fields, raw=raw, model=model)
+        s.send({"stream": True, **fields} if "stream" not in fields else fields, raw=raw,
+               model=model, outputs=outputs)
         return s.read()
     finally:
         s.close()
