@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
 from triton.language.extra import libdevice
 
 from hsserve.kernels.pdl import pdl_enter, pdl_on

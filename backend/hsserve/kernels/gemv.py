@@ -61,8 +61,7 @@ def _weights(ptrs, kmask, POLICY: tl.constexpr):
 @triton.jit
 def _gemv_kernel(X, W, Y, NW, K, eps, stride_x, stride_y, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, KP: tl.constexpr, ADD: tl.constexpr,
-                 HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                 W_POLICY: tl.constexpr):
+                 HAS_NORM: tl.constexpr, PDL: tl.constexpr, W_POLICY: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, KP)
@@ -118,8 +117,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, into: torch.Tensor | None = None,
     _gemv_kernel[(n // block_n,)](x, w, y, nw, k, eps, x.stride(0), y.stride(0), ROWS=rows,
                                   BLOCK_N=block_n, KP=triton.next_power_of_2(k),
                                   ADD=into is not None, HAS_NORM=norm is not None, PDL=pdl,
-                                  W_POLICY=_W_POLICY, num_warps=warps,
-                                  launch_pdl=pdl)
+                                  W_POLICY=_W_POLICY, num_warps=warps, launch_pdl=pdl)
     return y
 
 
@@ -139,8 +137,7 @@ def _two_products(x_row, w1, w2, rk, kmask, K, eps, HAS_RMS: tl.constexpr):
 @triton.jit
 def _gemv_silu_mul_kernel(X, W, Y, K, half, eps, stride_x, stride_y, ROWS: tl.constexpr,
                           BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_RMS: tl.constexpr,
-                          PDL: tl.constexpr,
-                          W_POLICY: tl.constexpr):
+                          PDL: tl.constexpr, W_POLICY: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, KP)
