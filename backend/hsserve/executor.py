@@ -245,14 +245,15 @@ class Executor:
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
             params = [c.seq.sampling for c in sampling]
-            # NOTE: on CUDA written where the next step queued ahead reads its inputs (no copy
-            # kernel); on the CPU download() returns the tensor itself, so it must stay apart
-            where = self.sampled[: len(sampling)]
-            cuda = self.device.type == "cuda"
             if graph and len(sampling) == len(chunks) and all(p.greedy for p in params):
                 # NOTE: the replay's own argmax wrote them, row by row, here and to the host
                 tokens = greedy
             else:
+                # NOTE: on CUDA written where the next step queued ahead reads its inputs (no
+                # copy kernel); on the CPU download() returns the tensor itself, so it must stay
+                # apart
+                where = self.sampled[: len(sampling)]
+                cuda = self.device.type == "cuda"
                 samples = sample(logits, params, [c.seq.seed for c in sampling],
                                  [c.end - c.seq.num_prompt_tokens for c in sampling],
                                  out=where if cuda else None)

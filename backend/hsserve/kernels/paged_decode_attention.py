@@ -81,7 +81,6 @@ def _decode_split_kernel(
     PAGES: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
-    KV_POLICY: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -117,9 +116,8 @@ def _decode_split_kernel(
         keys, visible, base = _tile(first, last, pos, window, n, b, kvh, TABLES, KV, stride_tb,
                                     stride_block, stride_tok, stride_head, BLOCK_SIZE)
         old = (visible & (keys < pos))[:, None]
-        k = tl.load(base[:, None] + d[None, :], mask=old, other=0.0, eviction_policy=KV_POLICY)
-        v = tl.load(base[:, None] + stride_half + d[None, :], mask=old, other=0.0,
-                    eviction_policy=KV_POLICY)
+        k = tl.load(base[:, None] + d[None, :], mask=old, other=0.0)
+        v = tl.load(base[:, None] + stride_half + d[None, :], mask=old, other=0.0)
         pdl_enter(PDL)
         own = (visible & (keys == pos))[:, None]
         k = tl.where(own, tl.load(base[:, None] + d[None, :], mask=own, other=0.0), k)
@@ -133,10 +131,8 @@ def _decode_split_kernel(
     for page0 in range(start, last, PAGES):
         keys, visible, base = _tile(page0, last, pos, window, n, b, kvh, TABLES, KV, stride_tb,
                                     stride_block, stride_tok, stride_head, BLOCK_SIZE)
-        k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0,
-                    eviction_policy=KV_POLICY)
-        v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0,
-                    eviction_policy=KV_POLICY)
+        k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0)
+        v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0)
         m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
     if single:  # NOTE: split 0, the only active one
         o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
@@ -224,11 +220,11 @@ def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, like_m, like_acc, stride_
 # keys 128 keys a step was 7% faster. Batch 1 (PDL): in the step's graph (bench/gpu_ablation.py,
 # 256 keys, GEMV weights evict_first) 128 keys / 8 warps / 1 stage 5-12 us a step faster than
 # 64 / 4 / 3; alone 3.5 / 8.8 / 33.1 us at 256 / 4096 / 32768 keys against 3.5 / 11.5 / 40.4.
-# Heads of 128 (8B shape) keep 64 / 4 / 3 (with 128 / 8 / 1 its step read 4.051 ms vs 3.925)
+# Heads of 128 (8B shape) keep 64 / 4 / 3 (one call: 3.958 / 3.975 ms a step vs 4.052 with
+# 128 / 8 / 1). Keeping the keys and values evict_last in L2 gained nothing (-1.5 / +4.8 us)
 _CONFIG = (64, 4, 3)
 _PDL_CONFIG = {64: (128, 8, 1)}  # NOTE: head_dim -> config; others: _CONFIG
 _MERGE_CHUNK = 4  # NOTE: splits merged per load (see _merge_splits)
-_KV_POLICY = ""  # NOTE: the keys' and values' L2 eviction policy ("" = the default)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_pages: int, num_sms: int = 132) -> int:
@@ -287,6 +283,6 @@ def paged_decode_attention(
         HEAD_DIM=d,
         PAGES=max(1, tokens // block_size),
         IEEE=q.dtype == torch.float32,
-        PDL=pdl, KV_POLICY=_KV_POLICY, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     return out
