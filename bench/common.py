@@ -55,6 +55,23 @@ def write_result(path: str, payload: dict) -> None:
     print(f"wrote {path}")
 
 
+def event_ms(fn, iters: int, warm: int = 5) -> float:
+    """GPU ms per call of fn() (its work queued back to back on the current stream), by events
+    around `iters` calls after `warm` calls."""
+    import torch
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def time_graph(fn, calls: int, replays: int = 5) -> float:
     """us per call of fn(i) (CUDA work only): fn(0) .. fn(calls - 1) captured in one CUDA graph
     (no launch overhead), replayed `replays` times between two events after a warm-up."""

@@ -28,7 +28,7 @@ from shapes import random_model  # noqa: E402
 from hsserve import HiddenStatesMode  # noqa: E402
 from hsserve.kernels.pdl import pdl_enter, pdl_on  # noqa: E402
 from hsserve.kernels import gemv as gemv_module  # noqa: E402
-from hsserve.kernels import paged_decode_attention  # noqa: E402
+from hsserve.kernels import paged_decode_attention as pda  # noqa: E402
 from hsserve.models import decoder  # noqa: E402
 from hsserve import cuda_graphs  # noqa: E402
 from hsserve.kernels.elementwise import embed_rotary_ref  # noqa: E402
@@ -86,8 +86,6 @@ def _copy_attention_grid(q, kv, batch, scale, window):
 
 
 def _splits(n: int):
-    from hsserve.kernels import paged_decode_attention as pda
-
     choose = pda.choose_num_splits
     return [(pda, "choose_num_splits", lambda *a, **kw: min(n, choose(*a, **kw)))]
 
@@ -116,9 +114,7 @@ def _slabs(qkv: int, o: int, gate_up: int, down: int, warps: int | None = None):
 
 
 def _attention_config(tokens: int, warps: int, stages: int):
-    """The batch-1 (PDL) decode attention's launch configuration."""
-    from hsserve.kernels import paged_decode_attention as pda
-
+    """The batch-1 (PDL) decode attention's launch configuration (heads of 64)."""
     return [(pda, "_PDL_CONFIG", {64: (tokens, warps, stages)})]
 
 
@@ -127,13 +123,13 @@ def _no_attention(q, kv, batch, scale, window):
     return q
 
 
+_GRAPH_FORWARD = cuda_graphs.DecodeGraphs._forward
+
+
 def _no_argmax(self, size, with_rows):
     """DecodeGraphs._forward without the argmax at its end."""
     with mock.patch.object(cuda_graphs, "argmax_rows", lambda x, out, host: out):
         return _GRAPH_FORWARD(self, size, with_rows)
-
-
-_GRAPH_FORWARD = cuda_graphs.DecodeGraphs._forward
 
 
 def _head(norm: bool, lm_head: bool):
@@ -149,7 +145,6 @@ def _head(norm: bool, lm_head: bool):
 
 
 D, G, M = decoder, gemv_module, decoder.MLP
-PDA = paged_decode_attention
 # NOTE: name -> [(object, attribute, replacement)]
 VARIANTS = {
     "full": [],
@@ -204,9 +199,8 @@ VARIANTS = {
     "attn_16_1_1_splits4": _attention_config(16, 1, 1) + _splits(4),
     "attn_16_4_1_splits4": _attention_config(16, 4, 1) + _splits(4),
     "attn_32_4_1_splits4": _attention_config(32, 4, 1) + _splits(4),
-    # NOTE: L2 hints: the weights without their evict_first; the KV cache kept
+    # NOTE: the weights without their L2 hint (evict_first)
     "w_no_hint": [(G, "_W_POLICY", "")],
-    "kv_evict_last": [(PDA, "_KV_POLICY", "evict_last")],
     "warps2": [(G, "gemv_config", _warps(2))],
     "warps8": [(G, "gemv_config", _warps(8))],
 }

@@ -26,7 +26,7 @@ import zlib
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import write_result  # noqa: E402
+from common import event_ms, write_result  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams  # noqa: E402
@@ -89,16 +89,7 @@ def graph_replay_ms(engine: Engine, batch: int, with_rows: bool = False) -> floa
     with_rows: the variant that also copies the captured layers' rows."""
     graphs = engine.executor.graphs
     size = next(s for s in graphs.sizes if s >= batch)
-    graph = graphs.graphs[(size, with_rows)]
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(50):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 50
+    return event_ms(graphs.graphs[(size, with_rows)].replay, 50)
 
 
 def make_engine(folder: str, batch: int, ceiling=HiddenStatesMode.FULL,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import write_result  # noqa: E402
+from common import event_ms, write_result  # noqa: E402
 from gpu_decode import engine_run, make_engine  # noqa: E402
 from shapes import random_model  # noqa: E402
 
@@ -32,19 +32,6 @@ from hsserve.transfer import download  # noqa: E402
 def _store_kernel(SRC, DST, N: tl.constexpr):
     r = tl.arange(0, N)
     tl.store(DST + r, tl.load(SRC + r))
-
-
-def timed(step, iters: int = 200) -> float:
-    for _ in range(10):
-        step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -86,7 +73,7 @@ def main() -> None:
             def step(parts=parts):
                 for p in parts:
                     p()
-            rows[name] = min(timed(step) for _ in range(3))
+            rows[name] = min(event_ms(step, 200, warm=10) for _ in range(3))
             print(f"{name:20s} {rows[name]:.4f} ms  +{1000 * (rows[name] - rows['graph']):.1f} us",
                   flush=True)
         print(f"engine step {engine_step:.4f} ms", flush=True)
