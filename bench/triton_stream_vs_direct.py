@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 import numpy as np
 
@@ -79,12 +80,14 @@ class Timing:
         self.lock = threading.Lock()
         self.ttft: list[float] = []
         self.itl: list[float] = []
+        self.latency: list[float] = []  # NOTE: start -> the last response carrying tokens
         self.tokens = 0
 
     def record(self, start: float, arrivals: list[tuple[float, int]]) -> None:
         """arrivals: (time, tokens in that response) for responses carrying tokens."""
         with self.lock:
             self.ttft.append(arrivals[0][0] - start)
+            self.latency.append(arrivals[-1][0] - start)
             for (t0, _), (t1, k) in zip(arrivals, arrivals[1:]):
                 self.itl += [(t1 - t0) / k] * k
             self.tokens += sum(k for _, k in arrivals)
@@ -96,7 +99,55 @@ class Timing:
             "ttft_p99_ms": round(percentile(self.ttft, 99) * 1e3, 1),
             "itl_p50_ms": round(percentile(self.itl, 50) * 1e3, 1),
             "itl_p99_ms": round(percentile(self.itl, 99) * 1e3, 1),
+            "ttft_mean_ms": _ms(self.ttft),
+            "latency_mean_ms": _ms(self.latency),
         }
+
+
+def _ms(xs: list[float]) -> float:
+    return round(sum(xs) / len(xs) * 1e3, 2) if xs else float("nan")
+
+
+def engine_side(snapshots: list) -> dict:
+    """The engine's own view of the requests (its clock: submit in the engine -> first token,
+    -> last response), from the snapshots taken during a run."""
+    ttft = [x for s in snapshots for x in s.ttft]
+    latency = [x for s in snapshots for x in s.latency]
+    return {"engine_ttft_mean_ms": _ms(ttft), "engine_latency_mean_ms": _ms(latency)}
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The llm model's series on tritonserver's metrics endpoint, summed over labels (buckets
+    left out)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or 'model="llm"' not in line or 'le="' in line:
+            continue
+        name = line.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def served_side(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Means per request over a run, from the metrics' deltas: Triton's queue (waiting for the
+    stub's execute(), which runs one call at a time), execute() itself, and the engine's own TTFT
+    and latency (as engine_side)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    n = d.get("nv_inference_request_success", 0.0) or float("nan")
+
+    def mean(name: str) -> float:
+        count = d.get(f"{name}_count", 0.0) or float("nan")
+        return round(d.get(f"{name}_sum", float("nan")) / count * 1e3, 2)
+
+    return {
+        "triton_queue_mean_ms": round(d.get("nv_inference_queue_duration_us", 0.0) / n / 1e3, 3),
+        "triton_execute_mean_ms": round(
+            d.get("nv_inference_compute_infer_duration_us", 0.0) / n / 1e3, 3),
+        "engine_ttft_mean_ms": mean("llm_time_to_first_token_seconds"),
+        "engine_latency_mean_ms": mean("llm_request_latency_seconds"),
+    }
 
 
 def run_pool(concurrency: int, n: int, one, first: int = 0) -> tuple[Timing, float]:
@@ -303,11 +354,12 @@ def main() -> None:
         run_pool(2, 2, direct_one(engine, 8, ids))  # warm-up
         for c in args.concurrency:
             n = max(args.requests if c > 1 else 4, c)
+            engine.snapshot()  # NOTE: drops the observations so far
             timing, wall = run_pool(c, n, direct_one(engine, args.new, ids))
-            rows[c]["direct"] = timing.summary(wall)
+            rows[c]["direct"] = timing.summary(wall) | engine_side([engine.snapshot()])
             print(f"direct c={c}: {rows[c]['direct']}", flush=True)
             timing, wall = run_direct_sinks(engine, c, n, args.new, ids)
-            rows[c]["direct_sinks"] = timing.summary(wall)
+            rows[c]["direct_sinks"] = timing.summary(wall) | engine_side([engine.snapshot()])
             print(f"direct (sinks) c={c}: {rows[c]['direct_sinks']}", flush=True)
     finally:
         engine.shutdown()
@@ -321,8 +373,9 @@ def main() -> None:
             run_direct_sinks(child, 2, 2, 8, ids)  # warm-up
             for c in args.concurrency:
                 n = max(args.requests if c > 1 else 4, c)
+                child.snapshot()
                 timing, wall = run_direct_sinks(child, c, n, args.new, ids)
-                rows[c][row] = timing.summary(wall)
+                rows[c][row] = timing.summary(wall) | engine_side([child.snapshot()])
                 print(f"engine process ({row}) c={c}: {rows[c][row]}", flush=True)
         finally:
             child.shutdown()
@@ -340,6 +393,8 @@ def main() -> None:
             best = max(rows[c]["direct"]["tok_s"], rows[c]["direct_sinks"]["tok_s"])
             for k, mode in enumerate(args.streams):
                 reuse = mode == "reuse"
+                time.sleep(0.5)  # NOTE: the adapter refreshes its metrics every 0.1 s
+                before = scrape(server.ports.metrics)
                 if args.client_procs > 1 and c >= args.client_procs:
                     timing, wall = run_procs(server.grpc_url, args.new, c, n, args.client_procs,
                                              ids, reuse, outputs, client_cpus)
@@ -349,12 +404,17 @@ def main() -> None:
                 row, ratio = f"grpc_{mode}", f"ratio_{mode}"
                 if k == 0:  # NOTE: the first listed: the keys the results have always used
                     row, ratio = "grpc_stream", "ratio"
-                rows[c][row] = timing.summary(wall) | {"streams": mode}
+                time.sleep(0.5)
+                served = served_side(before, scrape(server.ports.metrics))
+                rows[c][row] = timing.summary(wall) | served | {"streams": mode}
                 rows[c][ratio] = round(rows[c][row]["tok_s"] / best, 3)  # NOTE: vs the faster
                 print(f"grpc ({mode} streams) c={c}: {rows[c][row]} ratio {rows[c][ratio]}",
                       flush=True)
     finally:
         server.stop()
+    with open(server.log_path, errors="replace") as f:  # NOTE: the served engine's step counts
+        served_log = [line.strip() for line in f if "engine loop ended" in line]
+    print("\n".join(served_log))
     write_result(args.out, {
         "benchmark": "grpc_streaming_vs_engine_direct",
         "model": f"{args.shape} random bf16 (GPU)" if ids else "SmolLM2-135M-Instruct float32 (CPU)",
@@ -366,6 +426,7 @@ def main() -> None:
         "client_cpus": sorted(client_cpus),
         "cpus": os.cpu_count(),
         "rows": [{"concurrency": c, **r} for c, r in rows.items()],
+        "served_engine_log": served_log,
     })
     print("| concurrency | path | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
     print("|---:|---|---:|---:|---:|")
