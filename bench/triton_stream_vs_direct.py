@@ -266,7 +266,7 @@ def grpc_one(url: str, new: int, use_ids: bool = False, reuse: bool = True,
     return one
 
 
-def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
+def _client_proc(job) -> tuple[list[float], list[float], list[float], int, float, float]:
     url, new, first, n, concurrency, ids, reuse, outputs, cpus, start_at = job
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -275,7 +275,7 @@ def _client_proc(job) -> tuple[list[float], list[float], int, float, float]:
     time.sleep(max(0.0, start_at - time.time()))
     t0 = time.time()
     timing, _ = run_pool(concurrency, n, grpc_one(url, new, ids, reuse, outputs), first)
-    return timing.ttft, timing.itl, timing.tokens, t0, time.time()
+    return timing.ttft, timing.itl, timing.latency, timing.tokens, t0, time.time()
 
 
 def _pid_after(seconds: float) -> int:
@@ -297,11 +297,12 @@ def run_procs(url: str, new: int, concurrency: int, n: int, procs: int, ids: boo
                  outputs, cpus, start_at) for p in range(procs)]
         parts = pool.map(_client_proc, jobs, chunksize=1)
     timing = Timing()
-    for ttft, itl, tokens, _, _ in parts:
+    for ttft, itl, latency, tokens, _, _ in parts:
         timing.ttft += ttft
         timing.itl += itl
+        timing.latency += latency
         timing.tokens += tokens
-    return timing, max(p[4] for p in parts) - min(p[3] for p in parts)
+    return timing, max(p[5] for p in parts) - min(p[4] for p in parts)
 
 
 def main() -> None:

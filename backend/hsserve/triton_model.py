@@ -1,12 +1,13 @@
 """TritonPythonModel for the decoupled `llm` model: Triton requests -> engine -> responses.
 
 Threads (STYLE 11): Triton's execute() validates, submits and returns at once; the engine's loop
-(in a child process, engine_process.py; or a thread here) computes, and its deltas reach the
-outbox (from the engine's receiver thread, or the loop thread itself); the sender thread drains
-the outbox, coalesces what piled up per request and calls send(); the watcher thread polls
+(in a child process, engine_process.py; or a thread here) computes, and its deltas reach an
+outbox (from the engine's receiver thread, or the loop thread itself); each sender thread drains
+its outbox (a request's deltas all go to one), coalesces what piled up per request and calls
+send(), several at once (send() waits for tritonserver without the GIL); the watcher thread polls
 client cancellation at a bounded rate, turns it into engine aborts, and refreshes the metrics;
 when the engine's loop has died it asks Triton to unload this model (not ready; explicit model
-control only). finalize() stops the engine (in-flight requests get an error), then the sender,
+control only). finalize() stops the engine (in-flight requests get an error), then the senders,
 then the watcher.
 """
 
@@ -26,7 +27,7 @@ from hsserve.config import DEFAULT_MODEL, EngineConfig
 from hsserve.engine import Engine
 from hsserve.engine_process import EngineProcess
 from hsserve.request import Delta, EngineUnavailable, FinishReason, RequestError
-from hsserve.triton_io import INPUTS, OUTPUTS, parse_request
+from hsserve.triton_io import OUTPUTS, parse_request
 from hsserve.server_state import ServerWatch, http_live_url
 from hsserve.triton_metrics import EngineMetrics
 
@@ -139,15 +140,17 @@ class TritonPythonModel:
         )
         self._inflight: dict[str, _Inflight] = {}
         self._lock = threading.Lock()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outboxes = [queue.SimpleQueue() for _ in range(config.response_senders)]
         self._counter = 0
         self._stopping = threading.Event()
-        self._sender = threading.Thread(target=self._send_loop, name="hsserve-sender", daemon=True)
+        self._senders = [threading.Thread(target=self._send_loop, args=(box,), daemon=True,
+                                          name=f"hsserve-sender-{i}")
+                         for i, box in enumerate(self._outboxes)]
         self._watcher = threading.Thread(target=self._watch_loop, name="hsserve-cancel", daemon=True)
         self._stop_watcher = threading.Thread(
             target=self._stop_watch_loop, name="hsserve-stopwatch", daemon=True
         )
-        for t in (self._sender, self._watcher, self._stop_watcher):
+        for t in (*self._senders, self._watcher, self._stop_watcher):
             t.start()
         spec = self.engine.spec
         self.logger.log_info(
@@ -162,20 +165,19 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             with self._lock:
                 self._counter += 1
-                rid = f"{request.request_id() or 'req'}#{self._counter}"
+                n = self._counter
+            rid = f"{request.request_id() or 'req'}#{n}"
             state = _Inflight(sender, stream=False)
             try:
                 state.outputs = requested_outputs(request)
-                tensors = {}
-                for name in INPUTS:
-                    t = pb_utils.get_input_tensor_by_name(request, name)
-                    if t is not None:
-                        tensors[name] = t.as_numpy()
+                # NOTE: one pass over the inputs (get_input_tensor_by_name walks them all per name)
+                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
                 parsed = parse_request(rid, tensors, request.parameters(), self.default_max_tokens)
                 state.stream = parsed.stream
                 with self._lock:
                     self._inflight[rid] = state
-                self.engine.submit(parsed.request, sink=self._outbox.put)
+                outbox = self._outboxes[n % len(self._outboxes)]
+                self.engine.submit(parsed.request, sink=outbox.put)
             except RequestError as e:
                 self._forget(rid)
                 self._send_error(state, str(e), pb_utils.TritonError.INVALID_ARG)
@@ -204,10 +206,10 @@ class TritonPythonModel:
         is_ready(), added in 2026); false once the engine's loop has died."""
         return self.engine.healthy
 
-    # ---- sender thread ------------------------------------------------------------------------
+    # ---- sender threads -----------------------------------------------------------------------
 
-    def _send_loop(self) -> None:
-        """Drain the outbox; per completion, merge what piled up into one response. With a rate
+    def _send_loop(self, outbox: queue.SimpleQueue) -> None:
+        """Drain `outbox`; per completion, merge what piled up into one response. With a rate
         budget, a completion's next response waits until (streams in flight / budget) seconds
         after its last one, so at 64 streams each response carries several tokens while a lone
         stream still gets every token at once; first and final responses never wait for the budget.
@@ -224,9 +226,9 @@ class TritonPythonModel:
             batch: list = []
             try:
                 if not stop:
-                    batch.append(self._outbox.get(timeout=timeout))
+                    batch.append(outbox.get(timeout=timeout))
                 while True:
-                    batch.append(self._outbox.get_nowait())
+                    batch.append(outbox.get_nowait())
             except queue.Empty:
                 pass
             for d in batch:
@@ -380,8 +382,10 @@ class TritonPythonModel:
         self.logger.log_info("hsserve: finalizing")
         self._stopping.set()
         self.engine.shutdown()  # NOTE: every in-flight request gets its final (error) delta
-        self._outbox.put(_STOP)
-        self._sender.join(timeout=30)
+        for box in self._outboxes:
+            box.put(_STOP)
+        for t in self._senders:
+            t.join(timeout=30)
         self._watcher.join(timeout=5)
         self._stop_watcher.join(timeout=5)
         with self._lock:
