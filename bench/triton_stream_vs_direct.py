@@ -322,6 +322,8 @@ def main() -> None:
                     help="a folder put first on the engine process's import path (as the stub's, e.g. "
                          "numpy<2 for tritonserver 2.51), for a second engine-process row")
     ap.add_argument("--no-server", action="store_true", help="engine rows only")
+    ap.add_argument("--sinks-only", action="store_true",
+                    help="engine direct through sinks only (no thread-per-request row)")
     ap.add_argument("--outputs", nargs="*", default=[], metavar="NAME",
                     help="the outputs each gRPC request names (default none: all of them)")
     ap.add_argument("--param", nargs="*", default=[], metavar="KEY=VALUE",
@@ -356,9 +358,10 @@ def main() -> None:
         for c in args.concurrency:
             n = max(args.requests if c > 1 else 4, c)
             engine.snapshot()  # NOTE: drops the observations so far
-            timing, wall = run_pool(c, n, direct_one(engine, args.new, ids))
-            rows[c]["direct"] = timing.summary(wall) | engine_side([engine.snapshot()])
-            print(f"direct c={c}: {rows[c]['direct']}", flush=True)
+            if not args.sinks_only:
+                timing, wall = run_pool(c, n, direct_one(engine, args.new, ids))
+                rows[c]["direct"] = timing.summary(wall) | engine_side([engine.snapshot()])
+                print(f"direct c={c}: {rows[c]['direct']}", flush=True)
             timing, wall = run_direct_sinks(engine, c, n, args.new, ids)
             rows[c]["direct_sinks"] = timing.summary(wall) | engine_side([engine.snapshot()])
             print(f"direct (sinks) c={c}: {rows[c]['direct_sinks']}", flush=True)
@@ -391,7 +394,7 @@ def main() -> None:
         run_pool(2, 2, grpc_one(server.grpc_url, 8, ids))  # warm-up
         for c in args.concurrency:
             n = max(args.requests if c > 1 else 4, c)
-            best = max(rows[c]["direct"]["tok_s"], rows[c]["direct_sinks"]["tok_s"])
+            best = max(rows[c][p]["tok_s"] for p in ("direct", "direct_sinks") if p in rows[c])
             for k, mode in enumerate(args.streams):
                 reuse = mode == "reuse"
                 time.sleep(0.5)  # NOTE: the adapter refreshes its metrics every 0.1 s
