@@ -161,7 +161,7 @@ def run_pool(concurrency: int, n: int, one, first: int = 0) -> tuple[Timing, flo
             try:
                 i = jobs.get_nowait()
             except queue.Empty:
-                return
+                break
             one(i, timing)
         if hasattr(one, "close"):
             one.close()  # NOTE: on this worker thread: what it kept open (its gRPC stream)

@@ -57,10 +57,6 @@ class EngineConfig:
     # streams each response then carries several tokens (building each response costs the stub's
     # Python, which the engine's loop shares, ~80 us). 0 = one response per token.
     stream_responses_per_s: int = 4000
-    # NOTE: Triton: threads that build and send responses, each for its share of the requests (a
-    # request's responses all go through one, in order). send() waits for tritonserver without
-    # the GIL, so several overlap: 64 streams ending at once get their finals sooner.
-    response_senders: int = 4
     cache_dir: str = ""  # where the default model is converted; "" = ~/.cache/hsserve
     num_threads: int = 0  # CPU torch threads; 0 = torch's default
 
@@ -86,8 +82,6 @@ class EngineConfig:
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_num_seqs "
                 f"({self.max_num_seqs})"
             )
-        if not 1 <= self.response_senders <= 64:
-            raise ConfigError(f"response_senders: {self.response_senders} must be in 1..64")
         if not 0.0 <= self.prefill_wait_ms <= 1000.0:
             raise ConfigError(f"prefill_wait_ms: {self.prefill_wait_ms} must be in 0..1000")
         if not 0.0 <= self.drain_timeout_s <= 3600.0:

@@ -1,15 +1,13 @@
 """TritonPythonModel for the decoupled `llm` model: Triton requests -> engine -> responses.
 
-Threads (STYLE 11): Triton's execute() queues its requests and returns at once; the submitter
-thread validates and submits them (a bad one gets its error response there); the engine's loop
-(in a child process, engine_process.py; or a thread here) computes, and its deltas reach an
-outbox (from the engine's receiver thread, or the loop thread itself); each sender thread drains
-its outbox (a request's deltas all go to one), coalesces what piled up per request and calls
-send(), several at once (send() waits for tritonserver without the GIL); the watcher thread polls
+Threads (STYLE 11): Triton's execute() validates, submits and returns at once; the engine's loop
+(in a child process, engine_process.py; or a thread here) computes, and its deltas reach the
+outbox (from the engine's receiver thread, or the loop thread itself); the sender thread drains
+the outbox, coalesces what piled up per request and calls send(); the watcher thread polls
 client cancellation at a bounded rate, turns it into engine aborts, and refreshes the metrics;
 when the engine's loop has died it asks Triton to unload this model (not ready; explicit model
-control only). finalize() stops the engine (in-flight requests get an error), then the
-submitter, the senders, then the watcher.
+control only). finalize() stops the engine (in-flight requests get an error), then the sender,
+then the watcher.
 """
 
 from __future__ import annotations
@@ -141,20 +139,15 @@ class TritonPythonModel:
         )
         self._inflight: dict[str, _Inflight] = {}
         self._lock = threading.Lock()
-        self._submissions: queue.SimpleQueue = queue.SimpleQueue()
-        self._outboxes = [queue.SimpleQueue() for _ in range(config.response_senders)]
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._counter = 0
         self._stopping = threading.Event()
-        self._senders = [threading.Thread(target=self._send_loop, args=(box,), daemon=True,
-                                          name=f"hsserve-sender-{i}")
-                         for i, box in enumerate(self._outboxes)]
-        self._submitter = threading.Thread(target=self._submit_loop, name="hsserve-submitter",
-                                           daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="hsserve-sender", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="hsserve-cancel", daemon=True)
         self._stop_watcher = threading.Thread(
             target=self._stop_watch_loop, name="hsserve-stopwatch", daemon=True
         )
-        for t in (self._submitter, *self._senders, self._watcher, self._stop_watcher):
+        for t in (self._sender, self._watcher, self._stop_watcher):
             t.start()
         spec = self.engine.spec
         self.logger.log_info(
@@ -162,52 +155,35 @@ class TritonPythonModel:
             f"ceiling {config.hidden_states_ceiling.label}, max_model_len {self.engine.max_model_len}"
         )
 
-    # ---- execute: hand over, return; the submitter validates and submits -----------------------
+    # ---- execute: validate, submit, return ----------------------------------------------------
 
     def execute(self, requests):
-        """Queue the requests for the submitter thread and return. Triton runs execute() one call
-        at a time per instance, each a round trip to this stub, so a burst of requests (64 streams
-        ending together, each sending its next) gets in only as fast as execute() returns: with
-        parsing and submitting in here, a request waited 13-16 ms in Triton's queue on average
-        at 64 streams on the H200 once the responses went out in parallel."""
         for request in requests:
-            self._submissions.put(request)
-        return None
-
-    def _submit_loop(self) -> None:
-        while (request := self._submissions.get()) is not _STOP:
-            try:
-                self._submit(request)
-            except Exception as e:  # noqa: BLE001 - the submitter must outlive any one request
-                self.logger.log_error(f"hsserve: a request could not be taken in: {e!r}")
-
-    def _submit(self, request) -> None:
-        sender = request.get_response_sender()
-        with self._lock:
-            self._counter += 1
-            n = self._counter
-        rid = f"{request.request_id() or 'req'}#{n}"
-        state = _Inflight(sender, stream=False)
-        try:
-            state.outputs = requested_outputs(request)
-            # NOTE: one pass over the inputs (get_input_tensor_by_name walks them all per name)
-            tensors = {t.name(): t.as_numpy() for t in request.inputs()}
-            parsed = parse_request(rid, tensors, request.parameters(), self.default_max_tokens)
-            state.stream = parsed.stream
+            sender = request.get_response_sender()
             with self._lock:
-                self._inflight[rid] = state
-            outbox = self._outboxes[n % len(self._outboxes)]
-            self.engine.submit(parsed.request, sink=outbox.put)
-        except RequestError as e:
-            self._forget(rid)
-            self._send_error(state, str(e), pb_utils.TritonError.INVALID_ARG)
-        except EngineUnavailable as e:
-            self._forget(rid)
-            self._send_error(state, str(e), pb_utils.TritonError.UNAVAILABLE)
-        except Exception as e:  # noqa: BLE001 - the error goes to this request only
-            self._forget(rid)
-            code = pb_utils.TritonError.UNAVAILABLE if self._stopping.is_set() else None
-            self._send_error(state, f"{type(e).__name__}: {e}", code)
+                self._counter += 1
+                rid = f"{request.request_id() or 'req'}#{self._counter}"
+            state = _Inflight(sender, stream=False)
+            try:
+                state.outputs = requested_outputs(request)
+                # NOTE: one pass over the inputs (get_input_tensor_by_name walks them all per name)
+                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+                parsed = parse_request(rid, tensors, request.parameters(), self.default_max_tokens)
+                state.stream = parsed.stream
+                with self._lock:
+                    self._inflight[rid] = state
+                self.engine.submit(parsed.request, sink=self._outbox.put)
+            except RequestError as e:
+                self._forget(rid)
+                self._send_error(state, str(e), pb_utils.TritonError.INVALID_ARG)
+            except EngineUnavailable as e:
+                self._forget(rid)
+                self._send_error(state, str(e), pb_utils.TritonError.UNAVAILABLE)
+            except Exception as e:  # noqa: BLE001 - never let one request break the batch
+                self._forget(rid)
+                code = pb_utils.TritonError.UNAVAILABLE if self._stopping.is_set() else None
+                self._send_error(state, f"{type(e).__name__}: {e}", code)
+        return None
 
     def _forget(self, rid: str) -> _Inflight | None:
         with self._lock:
@@ -225,10 +201,10 @@ class TritonPythonModel:
         is_ready(), added in 2026); false once the engine's loop has died."""
         return self.engine.healthy
 
-    # ---- sender threads -----------------------------------------------------------------------
+    # ---- sender thread ------------------------------------------------------------------------
 
-    def _send_loop(self, outbox: queue.SimpleQueue) -> None:
-        """Drain `outbox`; per completion, merge what piled up into one response. With a rate
+    def _send_loop(self) -> None:
+        """Drain the outbox; per completion, merge what piled up into one response. With a rate
         budget, a completion's next response waits until (streams in flight / budget) seconds
         after its last one, so at 64 streams each response carries several tokens while a lone
         stream still gets every token at once; first and final responses never wait for the budget.
@@ -245,9 +221,9 @@ class TritonPythonModel:
             batch: list = []
             try:
                 if not stop:
-                    batch.append(outbox.get(timeout=timeout))
+                    batch.append(self._outbox.get(timeout=timeout))
                 while True:
-                    batch.append(outbox.get_nowait())
+                    batch.append(self._outbox.get_nowait())
             except queue.Empty:
                 pass
             for d in batch:
@@ -401,12 +377,8 @@ class TritonPythonModel:
         self.logger.log_info("hsserve: finalizing")
         self._stopping.set()
         self.engine.shutdown()  # NOTE: every in-flight request gets its final (error) delta
-        self._submissions.put(_STOP)  # NOTE: requests queued before it get UNAVAILABLE
-        self._submitter.join(timeout=30)
-        for box in self._outboxes:
-            box.put(_STOP)
-        for t in self._senders:
-            t.join(timeout=30)
+        self._outbox.put(_STOP)
+        self._sender.join(timeout=30)
         self._watcher.join(timeout=5)
         self._stop_watcher.join(timeout=5)
         with self._lock:

@@ -85,14 +85,12 @@ def test_config_from_parameters():
     assert EngineConfig.from_parameters({"engine_process": "false"}).engine_process is False
     assert EngineConfig().engine_process is True
     assert EngineConfig.from_parameters({"prefill_wait_ms": "7.5"}).prefill_wait_ms == 7.5
-    assert EngineConfig.from_parameters({"response_senders": "2"}).response_senders == 2
     for bad, word in [({"dtype": "int8"}, "dtype"), ({"max_num_seqs": "x"}, "max_num_seqs"),
                       ({"nope": "1"}, "unknown parameter"), ({"enable_cuda_graph": "maybe"}, "enable_cuda_graph"),
                       ({"hidden_states_ceiling": "most"}, "hidden_states_ceiling"),
                       ({"async_scheduling": "yes"}, "async_scheduling"),
                       ({"engine_process": "sometimes"}, "engine_process"),
-                      ({"prefill_wait_ms": "-1"}, "prefill_wait_ms"),
-                      ({"response_senders": "0"}, "response_senders")]:
+                      ({"prefill_wait_ms": "-1"}, "prefill_wait_ms")]:
         with pytest.raises((ConfigError, ValueError), match=word):
             EngineConfig.from_parameters(bad)
 

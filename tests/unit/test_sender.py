@@ -1,5 +1,5 @@
-"""One of the Triton adapter's sender threads (triton_model._send_loop) without Triton: what it
-merges into one response, and what it never holds back."""
+"""The Triton adapter's sender thread (triton_model._send_loop) without Triton: what it merges into
+one response, and what it never holds back."""
 
 from __future__ import annotations
 
@@ -21,20 +21,20 @@ class Sender:
     def __init__(self, rate: int, inflight: int, gate: threading.Event | None = None):
         model = TritonPythonModel.__new__(TritonPythonModel)  # NOTE: no initialize(): no Triton
         model._gate = gate
+        model._outbox = queue.SimpleQueue()
         model._inflight = {i: Stream() for i in range(inflight)}
         model.stream_rate = rate
         self.sent: list[tuple[float, str, Delta]] = []
         model._deliver = lambda rid, d: self.sent.append((time.monotonic(), rid, d))
         self.model = model
-        self.outbox = queue.SimpleQueue()
-        self.thread = threading.Thread(target=model._send_loop, args=(self.outbox,), daemon=True)
+        self.thread = threading.Thread(target=model._send_loop, daemon=True)
         self.thread.start()
 
     def put(self, d: Delta) -> None:
-        self.outbox.put(d)
+        self.model._outbox.put(d)
 
     def stop(self) -> None:
-        self.outbox.put(None)  # NOTE: the adapter's stop marker
+        self.model._outbox.put(None)  # NOTE: the adapter's stop marker
         self.thread.join(timeout=5)
         assert not self.thread.is_alive()
 
