@@ -36,6 +36,7 @@ _CANCEL_POLL_S = 0.1  # how often the watcher looks; each request is asked at mo
 _CANCEL_PER_REQUEST_S = 0.25
 _READY_POLL_S = 0.5  # how often the server's liveness is read (is it stopping?)
 _GATE_MAX_WAIT_S = 0.01  # NOTE: the longest a response waits for the engine to block on the GPU
+_ROUND_DUE = 8  # NOTE: responses held for the budget sent per round of the sender, at most
 _ALL_OUTPUTS = frozenset(OUTPUTS)
 _HIDDEN_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}
 
@@ -235,12 +236,23 @@ class TritonPythonModel:
             streams = sum(1 for st in list(self._inflight.values()) if st.stream)
             gap = streams / self.stream_rate if self.stream_rate else 0.0
             gate_until = now + _GATE_MAX_WAIT_S  # NOTE: one bound per round, not per response
+            # NOTE: firsts and finals go first (a final frees its client for the next request, a
+            # first is its TTFT), then the longest due of the others, at most _ROUND_DUE of them:
+            # at 64 streams the budget keeps this thread sending all the time, and a final that
+            # waited behind a whole round of them (64 sends, ~20 ms on the H200) left its slot in
+            # the engine empty that long
+            urgent, due = [], []
+            for key, deltas in held.items():
+                if stop or deltas[-1].finished or key not in next_at:
+                    urgent.append(key)
+                elif now >= next_at[key]:
+                    due.append(key)
             # NOTE: a request's last response (request_done) goes after its other completions'
             # finals of this round: once it is sent, the request is forgotten
-            for key in sorted(held, key=lambda k: held[k][-1].request_done):
+            urgent.sort(key=lambda k: held[k][-1].request_done)
+            due.sort(key=next_at.__getitem__)
+            for key in urgent + due[:_ROUND_DUE]:
                 final = held[key][-1].finished  # NOTE: request_done comes only on a final delta
-                if not (stop or final or now >= next_at.get(key, 0.0)):  # NOTE: a first one: 0
-                    continue
                 if self._gate is not None and not stop:
                     self._gate.wait(max(0.0, gate_until - time.monotonic()))
                 deltas = held.pop(key)

@@ -141,3 +141,30 @@ def test_on_a_gpu_responses_go_while_the_engine_waits_on_the_device():
     s.stop()
     assert [d.token_ids for _, rid, d in s.sent if rid == "r0"][1:] in ([[1, 2]], [[1], [2]])
     assert s.sent[-1][0] - t1 < 1.0
+
+
+def test_a_final_does_not_wait_behind_responses_held_for_the_budget():
+    """At many streams the budget keeps the sender busy; a final (it frees the client for its next
+    request) goes before the responses that are merely due, not after a whole round of them."""
+    s = Sender(rate=1000, inflight=40)  # NOTE: 40 ms between a stream's responses
+    record = s.model._deliver
+
+    def slow(rid, d):  # NOTE: a send() of 3 ms
+        time.sleep(0.003)
+        record(rid, d)
+
+    s.model._deliver = slow
+    for i in range(40):
+        s.put(token(f"r{i}", 0))  # NOTE: 40 firsts: one round of ~120 ms
+    time.sleep(0.02)
+    for i in range(39):
+        s.put(token(f"r{i}", 1))  # NOTE: due by the time the round of firsts ends
+    s.put(token("r39", 1, final=True))
+    deadline = time.monotonic() + 5
+    while len(s.sent) < 41 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    s.stop()
+    assert [rid for _, rid, _ in s.sent[:40]] == [f"r{i}" for i in range(40)]
+    _, rid, d = s.sent[40]
+    assert (rid, d.token_ids, d.request_done) == ("r39", [1], True), s.sent[40]
+    assert sorted(rid for _, rid, _ in s.sent[41:]) == sorted(f"r{i}" for i in range(39))
