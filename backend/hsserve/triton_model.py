@@ -239,8 +239,8 @@ class TritonPythonModel:
             # NOTE: firsts and finals go first (a final frees its client for the next request, a
             # first is its TTFT), then the longest due of the others, at most _ROUND_DUE of them:
             # at 64 streams the budget keeps this thread sending all the time, and a final that
-            # waited behind a whole round of them (64 sends, ~20 ms on the H200) left its slot in
-            # the engine empty that long
+            # waited behind a whole round of them (up to 64 sends) left its client's next request
+            # (and its slot in the engine) waiting that long
             urgent, due = [], []
             for key, deltas in held.items():
                 if stop or deltas[-1].finished or key not in next_at:

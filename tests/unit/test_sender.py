@@ -157,9 +157,9 @@ def test_a_final_does_not_wait_behind_responses_held_for_the_budget():
     for i in range(40):
         s.put(token(f"r{i}", 0))  # NOTE: 40 firsts: one round of ~120 ms
     time.sleep(0.02)
+    s.put(token("r39", 1, final=True))
     for i in range(39):
         s.put(token(f"r{i}", 1))  # NOTE: due by the time the round of firsts ends
-    s.put(token("r39", 1, final=True))
     deadline = time.monotonic() + 5
     while len(s.sent) < 41 and time.monotonic() < deadline:
         time.sleep(0.005)
