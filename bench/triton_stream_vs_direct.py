@@ -28,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 import numpy as np
 
@@ -108,26 +107,19 @@ def _ms(xs: list[float]) -> float:
     return round(sum(xs) / len(xs) * 1e3, 2) if xs else float("nan")
 
 
-def engine_side(snapshots: list) -> dict:
+def engine_side(snapshot) -> dict:
     """The engine's own view of the requests (its clock: submit in the engine -> first token,
-    -> last response), from the snapshots taken during a run."""
-    ttft = [x for s in snapshots for x in s.ttft]
-    latency = [x for s in snapshots for x in s.latency]
-    return {"engine_ttft_mean_ms": _ms(ttft), "engine_latency_mean_ms": _ms(latency)}
+    -> last response), from a snapshot taken after a run (it holds what the run observed)."""
+    return {"engine_ttft_mean_ms": _ms(snapshot.ttft),
+            "engine_latency_mean_ms": _ms(snapshot.latency)}
 
 
 def scrape(port: int) -> dict[str, float]:
-    """The llm model's series on tritonserver's metrics endpoint, summed over labels (buckets
-    left out)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or 'model="llm"' not in line or 'le="' in line:
-            continue
-        name = line.split("{", 1)[0]
-        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    """The llm model's series (ours and Triton's per-model ones) on tritonserver's metrics
+    endpoint, summed over labels (buckets left out)."""
+    from triton_helpers import metrics
+
+    return metrics(f"http://127.0.0.1:{port}/metrics", "llm", ("llm_", "nv_inference_"))
 
 
 def served_side(before: dict[str, float], after: dict[str, float]) -> dict:
@@ -360,10 +352,10 @@ def main() -> None:
             engine.snapshot()  # NOTE: drops the observations so far
             if not args.sinks_only:
                 timing, wall = run_pool(c, n, direct_one(engine, args.new, ids))
-                rows[c]["direct"] = timing.summary(wall) | engine_side([engine.snapshot()])
+                rows[c]["direct"] = timing.summary(wall) | engine_side(engine.snapshot())
                 print(f"direct c={c}: {rows[c]['direct']}", flush=True)
             timing, wall = run_direct_sinks(engine, c, n, args.new, ids)
-            rows[c]["direct_sinks"] = timing.summary(wall) | engine_side([engine.snapshot()])
+            rows[c]["direct_sinks"] = timing.summary(wall) | engine_side(engine.snapshot())
             print(f"direct (sinks) c={c}: {rows[c]['direct_sinks']}", flush=True)
     finally:
         engine.shutdown()
@@ -379,7 +371,7 @@ def main() -> None:
                 n = max(args.requests if c > 1 else 4, c)
                 child.snapshot()
                 timing, wall = run_direct_sinks(child, c, n, args.new, ids)
-                rows[c][row] = timing.summary(wall) | engine_side([child.snapshot()])
+                rows[c][row] = timing.summary(wall) | engine_side(child.snapshot())
                 print(f"engine process ({row}) c={c}: {rows[c][row]}", flush=True)
         finally:
             child.shutdown()

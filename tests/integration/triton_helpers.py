@@ -135,13 +135,15 @@ def unary_grpc(url: str, fields: dict, model: str = "llm_sync"):
     return _as_dict(client.infer(model, infer_inputs(grpcclient, fields)), outputs_of(model))
 
 
-def metrics(http_metrics_url: str, model: str | None = None) -> dict[str, float]:
-    """Our metrics (llm_*), summed over labels, or those of one model; histograms appear as
-    their _count and _sum (buckets are left out)."""
+def metrics(http_metrics_url: str, model: str | None = None,
+            prefixes: tuple[str, ...] = ("llm_",)) -> dict[str, float]:
+    """Our metrics (llm_*; or the series named by `prefixes`, e.g. Triton's nv_inference_),
+    summed over labels, or those of one model; histograms appear as their _count and _sum
+    (buckets are left out)."""
     text = urllib.request.urlopen(http_metrics_url, timeout=10).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("llm_") or "_bucket{" in line:
+        if not line.startswith(prefixes) or "_bucket{" in line:
             continue
         if model is not None and f'model="{model}"' not in line:
             continue
