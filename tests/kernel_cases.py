@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hsserve.attention_batch import AttentionBatch
+from hsserve.models.attention_batch import AttentionBatch
 from hsserve.kernels.paged_attention_ref import paged_attention_ref, write_kv
 from hsserve.kernels.paged_decode_attention import paged_decode_attention, write_kv_triton
 

@@ -1,7 +1,7 @@
 """hsserve: an LLM engine that returns hidden states, served from Triton Inference Server."""
 
-from hsserve.config import EngineConfig
-from hsserve.engine import Engine
+from hsserve.engine.config import EngineConfig
+from hsserve.engine.loop import Engine
 from hsserve.request import (
     Delta,
     EngineUnavailable,
@@ -11,7 +11,7 @@ from hsserve.request import (
     RequestError,
     SamplingParams,
 )
-from hsserve.request_stream import RequestStream, Result
+from hsserve.engine.request_stream import RequestStream, Result
 
 __all__ = [
     "Delta",

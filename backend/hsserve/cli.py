@@ -43,7 +43,7 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     import signal
 
-    from hsserve.server import ADMIN_HEADER, ADMIN_KEY_ENV, Ports, start_server
+    from hsserve.triton.server import ADMIN_HEADER, ADMIN_KEY_ENV, Ports, start_server
 
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     server = start_server(args.model_repository, ports, extra_args=args.triton_arg)

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from extract_hidden_states import extract  # noqa: E402
 
-from hsserve.classifier_head import ClassifierHead  # noqa: E402
+from hsserve.triton.classifier_head import ClassifierHead  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "..", "..", "model_repository", "hidden_classifier", "1")
 

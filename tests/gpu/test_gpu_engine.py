@@ -127,7 +127,7 @@ def test_gpu_graphs_captured_once_equal_eager_over_1000_steps(tiny_dirs):
     """Decode runs through CUDA graphs captured at start (plain and with rows, per batch size);
     MODE none / last / full alternate for 1000+ steps, the capture counter never moves, and the
     outputs equal the eager engine's."""
-    from hsserve.cuda_graphs import batch_ladder
+    from hsserve.engine.cuda_graphs import batch_ladder
 
     cfg = dict(model=tiny_dirs["llama"], device="cuda", dtype="float32", max_num_seqs=8)
     graph = Engine(EngineConfig(**cfg)).start()

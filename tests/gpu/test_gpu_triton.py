@@ -68,7 +68,7 @@ def test_served_tokens_and_rows_equal_the_engine(tiny_llama, tmp_path):
     helpers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helpers)  # NOTE: its repository helpers (set_parameter, add_parameter)
 
-    from hsserve.server import start_server
+    from hsserve.triton.server import start_server
 
     want = engine_outputs(tiny_llama)
     repo = tmp_path / "repo"

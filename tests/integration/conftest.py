@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from hsserve.server import start_server
+from hsserve.triton.server import start_server
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "..", "model_repository")
 

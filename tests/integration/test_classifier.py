@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hsserve.classifier_head import ClassifierHead
+from hsserve.triton.classifier_head import ClassifierHead
 from triton_helpers import GrpcStream, http_generate, unary_grpc, unary_http
 
 HEAD = os.path.join(os.path.dirname(__file__), "..", "..", "model_repository", "hidden_classifier", "1")

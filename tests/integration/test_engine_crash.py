@@ -15,8 +15,8 @@ import urllib.request
 import pytest
 import tritonclient.grpc as grpcclient
 from conftest import add_parameter, make_repository
-from hsserve.engine import TEST_CRASH_ENV
-from hsserve.server import ADMIN_HEADER, start_server
+from hsserve.engine.loop import TEST_CRASH_ENV
+from hsserve.triton.server import ADMIN_HEADER, start_server
 from triton_helpers import infer_inputs, stream_once, stub_processes
 
 CRASH_AFTER_STEPS = 60  # NOTE: ~3 s of three streams on a 2-core CPU; llm_capped stays below it

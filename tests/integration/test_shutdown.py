@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import add_parameter, make_repository
-from hsserve.server import start_server
+from hsserve.triton.server import start_server
 from triton_helpers import GrpcStream, alive, stub_children, stub_processes
 
 EXIT_TIMEOUT_S = 10

@@ -289,7 +289,7 @@ def test_repository_api_needs_the_admin_header(triton_server):
     import urllib.error
     import urllib.request
 
-    from hsserve.server import ADMIN_HEADER
+    from hsserve.triton.server import ADMIN_HEADER
 
     def index(headers):
         req = urllib.request.Request(f"http://{triton_server.http_url}/v2/repository/index",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from hsserve.block_pool import BlockPool, chain_hash
+from hsserve.engine.block_pool import BlockPool, chain_hash
 from hsserve.request import HiddenStatesMode, SamplingParams
-from hsserve.scheduler import Scheduler
-from hsserve.sequence import Sequence, Status
+from hsserve.engine.scheduler import Scheduler
+from hsserve.engine.sequence import Sequence, Status
 
 
 def seq(i: int, n: int, first_token: int | None = None) -> Sequence:

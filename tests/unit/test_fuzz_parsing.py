@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hsserve.request import RequestError
-from hsserve.triton_io import INPUTS, parse_request
+from hsserve.triton.tensors import INPUTS, parse_request
 
 NAMES = list(INPUTS) + ["bogus", "MODE "]  # NOTE: Triton itself refuses names not in the config
 DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.uint64, np.float16,

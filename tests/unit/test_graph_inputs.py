@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hsserve.cuda_graphs import fill_host_inputs, pack_tables
+from hsserve.engine.cuda_graphs import fill_host_inputs, pack_tables
 
 
 def test_rows_sources_padding_and_tables():
@@ -25,7 +25,7 @@ def test_rows_sources_padding_and_tables():
 
 
 def test_block_tables_are_copied_only_when_they_changed():
-    from hsserve.cuda_graphs import DeviceTables
+    from hsserve.engine.cuda_graphs import DeviceTables
 
     held = DeviceTables()
     a, b = [1, 2], [7]

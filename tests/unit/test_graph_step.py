@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hsserve.executor import Executor
+from hsserve.engine.executor import Executor
 from hsserve.request import FinishReason, HiddenStatesMode, SamplingParams
-from hsserve.scheduler import Chunk
-from hsserve.sequence import Sequence
+from hsserve.engine.scheduler import Chunk
+from hsserve.engine.sequence import Sequence
 
 VOCAB, HIDDEN, LAYERS = 11, 4, [0, 2, 3]  # NOTE: the graphs' captured layer set
 
@@ -98,7 +98,7 @@ def test_inputs_rows_and_tokens_of_a_step_and_the_step_queued_after_it():
 
 
 def test_a_greedy_step_takes_the_graphs_samples_and_samples_nothing_more(monkeypatch):
-    import hsserve.executor as executor
+    import hsserve.engine.executor as executor
 
     calls = []
     real = executor.sample
@@ -193,7 +193,7 @@ def test_last_rows_left_in_the_graphs_buffer_are_dropped_when_none_ends():
 def test_a_take_is_a_float32_copy_of_its_rows_in_the_layers_asked(dtype):
     """CapturedRows.take widens on the host (bfloat16 through its bits): exact, special values
     included, and a copy: changing it leaves the block as it was."""
-    from hsserve.executor import CapturedRows
+    from hsserve.engine.executor import CapturedRows
 
     block = torch.randn(5, 3, 8)
     block[2, 1, :4] = torch.tensor([float("inf"), -float("inf"), -0.0, -3.5])

@@ -7,7 +7,7 @@ import queue
 import pytest
 
 from hsserve.request import Delta, FinishReason
-from hsserve.request_stream import RequestStream
+from hsserve.engine.request_stream import RequestStream
 
 
 def test_result_asked_twice_returns_the_same():

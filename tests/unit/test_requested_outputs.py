@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import hsserve.triton_model as triton_model
+import hsserve.triton.adapter as triton_model
 from hsserve.request import Delta, FinishReason
-from hsserve.triton_io import OUTPUTS
-from hsserve.triton_model import TritonPythonModel, _Inflight, requested_outputs
+from hsserve.triton.tensors import OUTPUTS
+from hsserve.triton.adapter import TritonPythonModel, _Inflight, requested_outputs
 
 
 class FakePb:

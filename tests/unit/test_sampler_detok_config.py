@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hsserve.config import ConfigError, EngineConfig
-from hsserve.detokenizer import IncrementalDetokenizer, StopMatcher, text_decoder
+from hsserve.engine.config import ConfigError, EngineConfig
+from hsserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher, text_decoder
 from hsserve.request import HiddenStatesMode, SamplingParams
-from hsserve.sampler import sample, uniform_noise
+from hsserve.engine.sampler import sample, uniform_noise
 
 
 def test_noise_depends_only_on_seed_and_step():

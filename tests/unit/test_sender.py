@@ -8,7 +8,7 @@ import threading
 import time
 
 from hsserve.request import Delta, FinishReason
-from hsserve.triton_model import _GATE_MAX_WAIT_S, TritonPythonModel
+from hsserve.triton.adapter import _GATE_MAX_WAIT_S, TritonPythonModel
 
 
 class Stream:

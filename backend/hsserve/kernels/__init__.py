@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hsserve.attention_batch import AttentionBatch
+from hsserve.models.attention_batch import AttentionBatch
 from hsserve.kernels.paged_attention_ref import paged_attention_ref, write_kv
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hsserve.attention_batch import AttentionBatch
+from hsserve.models.attention_batch import AttentionBatch
 
 
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

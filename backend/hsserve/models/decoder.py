@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hsserve.attention_batch import AttentionBatch
-from hsserve.hidden_capture import HiddenCapture
+from hsserve.models.attention_batch import AttentionBatch
+from hsserve.models.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, store_kv
 from hsserve.kernels.elementwise import (add_rmsnorm, embed_rotary, rms_inverse_ref, rotary_,
                                          rotary_store_, silu_mul)

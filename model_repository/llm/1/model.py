@@ -1,3 +1,3 @@
 """The `llm` model: thin; the engine and the adapter live in the hsserve package."""
 
-from hsserve.triton_model import TritonPythonModel  # noqa: F401
+from hsserve.triton.adapter import TritonPythonModel  # noqa: F401

@@ -11,7 +11,7 @@ import torch
 
 from hsserve.kernels.argmax import argmax_rows
 from hsserve.request import SamplingParams
-from hsserve.transfer import upload
+from hsserve.engine.transfer import upload
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 constants as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)

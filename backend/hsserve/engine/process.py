@@ -37,12 +37,12 @@ import threading
 
 import torch
 
-from hsserve.admission import Admission, RequestIds, not_serving
-from hsserve.config import EngineConfig
-from hsserve.engine import Engine, Sink
+from hsserve.engine.admission import Admission, RequestIds, not_serving
+from hsserve.engine.config import EngineConfig
+from hsserve.engine.loop import Engine, Sink
 from hsserve.request import Delta, EngineUnavailable, FinishReason, GenerationRequest
-from hsserve.request_stream import RequestStream
-from hsserve.stats import EngineSnapshot
+from hsserve.engine.request_stream import RequestStream
+from hsserve.engine.stats import EngineSnapshot
 
 log = logging.getLogger(__name__)
 

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
-from hsserve.block_pool import BlockPool
-from hsserve.config import DEFAULT_MODEL, ConfigError, EngineConfig
-from hsserve.cuda_graphs import DecodeGraphs
-from hsserve.executor import Executor
+from hsserve.engine.block_pool import BlockPool
+from hsserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
+from hsserve.engine.cuda_graphs import DecodeGraphs
+from hsserve.engine.executor import Executor
 from hsserve.models.decoder import Decoder
 from hsserve.models.default_model import ensure_default_model
 from hsserve.models.loader import load_model
 from hsserve.models.spec import ModelSpec
 from hsserve.request import HiddenStatesMode
-from hsserve.scheduler import Scheduler
+from hsserve.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from collections import deque
 
 import torch
 
-from hsserve.detokenizer import IncrementalDetokenizer, StopMatcher
+from hsserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from hsserve.request import FinishReason, HiddenStatesMode, SamplingParams
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 import threading
 
-from hsserve.config import EngineConfig
-from hsserve.detokenizer import IncrementalDetokenizer
+from hsserve.engine.config import EngineConfig
+from hsserve.engine.detokenizer import IncrementalDetokenizer
 from hsserve.models.spec import ModelSpec
 from hsserve.request import (
     EngineUnavailable,
@@ -19,8 +19,8 @@ from hsserve.request import (
     HiddenStatesMode,
     RequestError,
 )
-from hsserve.sampler import sample_seed
-from hsserve.sequence import SampleGroup, Sequence
+from hsserve.engine.sampler import sample_seed
+from hsserve.engine.sequence import SampleGroup, Sequence
 
 
 class Admission:

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import torch
 
-from hsserve.classifier_head import ClassifierHead
+from hsserve.triton.classifier_head import ClassifierHead
 
 pb_utils = None  # NOTE: bound in initialize()
 

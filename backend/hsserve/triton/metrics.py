@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 
-from hsserve.stats import EngineSnapshot
+from hsserve.engine.stats import EngineSnapshot
 
 _GAUGES = {
     "running": ("llm_requests_running", "Sequences being computed by the engine"),

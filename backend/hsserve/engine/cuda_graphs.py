@@ -24,8 +24,8 @@ import logging
 import numpy as np
 import torch
 
-from hsserve.attention_batch import AttentionBatch
-from hsserve.hidden_capture import HiddenCapture
+from hsserve.models.attention_batch import AttentionBatch
+from hsserve.models.hidden_capture import HiddenCapture
 from hsserve.kernels.argmax import argmax_rows
 from hsserve.models.decoder import Decoder
 

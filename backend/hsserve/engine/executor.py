@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hsserve.attention_batch import AttentionBatch, Span, visible_keys
-from hsserve.cuda_graphs import DecodeGraphs
-from hsserve.hidden_capture import HiddenCapture
+from hsserve.models.attention_batch import AttentionBatch, Span, visible_keys
+from hsserve.engine.cuda_graphs import DecodeGraphs
+from hsserve.models.hidden_capture import HiddenCapture
 from hsserve.kernels import kernels_supported
 from hsserve.kernels.paged_prefill_attention import varlen_metadata
 from hsserve.models.decoder import Decoder
 from hsserve.request import HiddenStatesMode
-from hsserve.sampler import sample
-from hsserve.scheduler import Chunk
-from hsserve.transfer import download, fetch, upload
+from hsserve.engine.sampler import sample
+from hsserve.engine.scheduler import Chunk
+from hsserve.engine.transfer import download, fetch, upload
 
 
 @contextmanager

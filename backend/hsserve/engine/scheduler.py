@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hsserve.block_pool import BlockPool, chain_hash
+from hsserve.engine.block_pool import BlockPool, chain_hash
 from hsserve.request import HiddenStatesMode
-from hsserve.sequence import Sequence, Status
+from hsserve.engine.sequence import Sequence, Status
 
 
 @dataclass(slots=True)

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hsserve.config import DEFAULT_MODEL, EngineConfig
-from hsserve.engine import Engine
-from hsserve.engine_process import EngineProcess
+from hsserve.engine.config import DEFAULT_MODEL, EngineConfig
+from hsserve.engine.loop import Engine
+from hsserve.engine.process import EngineProcess
 from hsserve.request import Delta, EngineUnavailable, FinishReason, RequestError
-from hsserve.triton_io import OUTPUTS, parse_request
-from hsserve.server_state import ServerWatch, http_live_url
-from hsserve.triton_metrics import EngineMetrics
+from hsserve.triton.tensors import OUTPUTS, parse_request
+from hsserve.triton.server_watch import ServerWatch, http_live_url
+from hsserve.triton.metrics import EngineMetrics
 
 pb_utils = None  # NOTE: bound in initialize(); the module imports without Triton
 _STOP = None

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from hsserve.request import RequestError
-from hsserve.triton_io import INPUTS, OUTPUTS, parse_request
+from hsserve.triton.tensors import INPUTS, OUTPUTS, parse_request
 
 pb_utils = None  # NOTE: bound in initialize()
 _TARGET = "llm"

@@ -26,20 +26,20 @@ from typing import Callable
 
 import torch
 
-from hsserve.config import EngineConfig
-from hsserve.admission import Admission, RequestIds, not_serving
-from hsserve.engine_setup import EngineParts, build_engine_parts
-from hsserve.executor import Launched, StepOutput, flagged
+from hsserve.engine.config import EngineConfig
+from hsserve.engine.admission import Admission, RequestIds, not_serving
+from hsserve.engine.setup import EngineParts, build_engine_parts
+from hsserve.engine.executor import Launched, StepOutput, flagged
 from hsserve.request import (
     Delta,
     FinishReason,
     GenerationRequest,
     HiddenStatesMode,
 )
-from hsserve.request_stream import RequestStream
-from hsserve.scheduler import Chunk
-from hsserve.sequence import Sequence, Status
-from hsserve.stats import EngineSnapshot, EngineStats
+from hsserve.engine.request_stream import RequestStream
+from hsserve.engine.scheduler import Chunk
+from hsserve.engine.sequence import Sequence, Status
+from hsserve.engine.stats import EngineSnapshot, EngineStats
 
 log = logging.getLogger(__name__)
 
