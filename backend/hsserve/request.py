@@ -94,7 +94,7 @@ class GenerationRequest:
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    hidden_mode: HiddenStatesMode = HiddenStatesMode.NONE
+    hidden_mode: HiddenStatesMode | str = HiddenStatesMode.NONE  # NOTE: parsed by admission
     hidden_layers: tuple[int, ...] = (-1,)
 
 

@@ -1,4 +1,4 @@
-"""Issue 7: the engine loop of a real server dies (HSSERVE_TEST_CRASH_AFTER_STEPS) while three
+"""Issue 7: the engine loop of a real server dies (a crash hook injected by its model.py) while three
 streams generate. Each ends with an error at once, the model unloads itself (not ready), a new
 request is refused with Triton's message, another model keeps serving meanwhile, the model can be
 reloaded, and the server then stops cleanly."""
@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import tritonclient.grpc as grpcclient
 from conftest import add_parameter, make_repository
-from hsserve.engine.loop import TEST_CRASH_ENV
+from crash_hook import MESSAGE, crashing_model_py
 from hsserve.triton.server import ADMIN_HEADER, start_server
 from triton_helpers import infer_inputs, stream_once, stub_processes
 
@@ -90,9 +90,9 @@ def crashed(tmp_path_factory, smollm_dir):
     # NOTE: a sibling that would end its requests after 0.5 s if it took the unload (server
     # readiness false) for a server shutdown
     add_parameter(os.path.join(repo, "llm_capped", "config.pbtxt"), "drain_timeout_s", "0.5")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(TEST_CRASH_ENV, str(CRASH_AFTER_STEPS))
-        server = start_server(repo, log_path=str(root / "server.log"))
+    with open(os.path.join(repo, "llm", "1", "model.py"), "w") as f:
+        f.write(crashing_model_py(CRASH_AFTER_STEPS))
+    server = start_server(repo, log_path=str(root / "server.log"))
     marker = server.command.backend_dir or repo
     out: dict = {"server": server}
     streams: list[TimedStream] = []
@@ -136,7 +136,7 @@ def test_pending_streams_end_with_an_error_right_after_the_engine_dies(crashed):
     for n, error, gap in crashed["ended"]:
         assert n >= 1  # NOTE: it died mid-generation
         assert error is not None and "the engine stopped" in error.message(), error
-        assert TEST_CRASH_ENV in error.message()
+        assert MESSAGE in error.message()
         assert gap < 5.0, gap
 
 

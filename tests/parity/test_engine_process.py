@@ -23,7 +23,8 @@ from hsserve import (
     SamplingParams,
 )
 from hsserve.engine.config import ConfigError
-from hsserve.engine.process import EngineProcess, delta_from_wire, delta_to_wire
+from hsserve.engine.messages import delta_from_wire, delta_to_wire
+from hsserve.engine.process import EngineProcess
 from hsserve.request import Delta
 
 ENDLESS = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
@@ -176,7 +177,7 @@ def test_a_load_error_is_raised_by_start(tmp_path):
 
 
 def test_a_load_error_that_does_not_unpickle_still_names_itself():
-    from hsserve.engine.process import _portable
+    from hsserve.engine.process_child import _portable
 
     err = RequestError("text_input", "bad")  # NOTE: its __init__ takes two arguments
     got = _portable(err)

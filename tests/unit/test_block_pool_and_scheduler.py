@@ -14,7 +14,7 @@ def seq(i: int, n: int, first_token: int | None = None) -> Sequence:
     """A fake sequence; prompts of different i share no prefix unless first_token is given."""
     start = 100 * i if first_token is None else first_token
     return Sequence(f"s{i}", list(range(start, start + n)), SamplingParams(), 0,
-                    HiddenStatesMode.NONE, (), None, None, arrival=i)
+                    HiddenStatesMode.NONE, (), None, None, arrival=i, max_num_tokens=n + 16)
 
 
 def test_pool_allocate_free_and_invariants():

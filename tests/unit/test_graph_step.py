@@ -1,7 +1,8 @@
-"""The host side of a decode step through the graphs (Executor.launch/complete on the graph path),
-on the CPU with a stand-in for DecodeGraphs whose replay returns known logits and rows: which
-inputs a replay gets (host ids, or the previous step's samples for chunks queued ahead), which
-rows and layers leave the device, which tokens come back."""
+"""The host side of a decode step through the graphs (Executor.launch/complete on the graph path,
+with HiddenRows planning and settling the rows as the engine loop does), on the CPU with a
+stand-in for DecodeGraphs whose replay returns known logits and rows: which inputs a replay gets
+(host ids, or the previous step's samples for chunks queued ahead), which rows and layers leave
+the device, which tokens come back."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from hsserve.engine.executor import Executor
-from hsserve.request import FinishReason, HiddenStatesMode, SamplingParams
-from hsserve.engine.scheduler import Chunk
+from hsserve.engine.hidden_rows import HiddenRows, StepRows
 from hsserve.engine.sequence import Sequence
+from hsserve.engine.types import Chunk
+from hsserve.request import FinishReason, HiddenStatesMode, SamplingParams
 
 VOCAB, HIDDEN, LAYERS = 11, 4, [0, 2, 3]  # NOTE: the graphs' captured layer set
 
@@ -46,12 +48,27 @@ def make_executor() -> Executor:
     model = SimpleNamespace(spec=spec, embed=SimpleNamespace(dtype=torch.float32))
     ex = Executor(model, torch.zeros(1, 2, 4, 4, 1, 16), block_size=4, max_num_seqs=8)
     ex.graphs = FakeGraphs()
+    ex.rows = HiddenRows(torch.float32)  # NOTE: what the engine loop holds beside its executor
     return ex
+
+
+def launch(ex: Executor, chunks: list[Chunk], prev=None):
+    """As the engine loop's _launch: settle live rows, plan, launch."""
+    ex.rows.settle()
+    step = ex.launch(chunks, ex.rows.plan(chunks), prev)
+    ex.rows.launched(step)
+    return step
+
+
+def take(step, i: int, layers: tuple[int, ...]) -> torch.Tensor:
+    """Chunk i's one row of a completed step, its layers in the order given."""
+    first, _ = step.plan.slices[i]
+    return step.rows.take(first, 1, layers, torch.float32)
 
 
 def seq(rid: str, prompt: list[int], mode=HiddenStatesMode.NONE, layers=(-1,), max_tokens=8):
     s = Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), 0, mode,
-                 layers, None, None, 0)
+                 layers, None, None, 0, max_num_tokens=len(prompt) + max_tokens)
     s.block_table = [1, 2, 3]
     return s
 
@@ -64,37 +81,33 @@ def test_inputs_rows_and_tokens_of_a_step_and_the_step_queued_after_it():
     for s in (a, b, c):
         s.num_computed = s.num_tokens - 1
     first = [Chunk(s, s.num_computed, 1) for s in (a, b, c)]
-    step = ex.launch(first)
+    step = launch(ex, first)
     call = ex.graphs.calls[-1]
     assert call["ids"] == [7, 6, 9] and call["sources"] == [-1, -1, -1]
     assert call["positions"] == [2, 1, 3] and call["lens"] == [3, 2, 4]
     assert call["slots"] == [1 * 4 + 2, 1 * 4 + 1, 1 * 4 + 3]
     assert call["with_rows"], "b (full) takes its row"
-    out = ex.complete(step)
-    assert out.tokens == [3, 4, 5], "argmax of each row"
+    assert ex.complete(step) == [3, 4, 5], "argmax of each row"
     assert ex.sampled[:3].tolist() == [3, 4, 5], "the samples stay on the device for the next step"
-    assert [n for _, n in out.slices] == [0, 1, 0]
-    first_b, _ = out.slices[1]
-    assert out.captured.layers == [0, 3], "only b's layers left the device"
-    row = out.captured.take(first_b, 1, b.hidden_layers)
+    assert [n for _, n in step.plan.slices] == [0, 1, 0]
+    assert step.rows.layers == [0, 3], "only b's layers left the device"
+    row = take(step, 1, b.hidden_layers)
     assert row.tolist() == [[12.0] * HIDDEN + [10.0] * HIDDEN], \
         "b's row (replay row 1), columns in its own layer order (3, 0)"
 
     # the step queued ahead, before `step` is read: c's input is its last by length (no sample)
-    c.sampling = SamplingParams(max_tokens=1, temperature=0.0)
+    c.sampling, c.max_num_tokens = SamplingParams(max_tokens=1, temperature=0.0), 5
     ahead = [Chunk(a, 3, 1, ahead=True), Chunk(c, 4, 1, ahead=True, last_input=True)]
     for s in (a, c):
         s.num_computed += 1
-    step2 = ex.launch(ahead, prev=step)
+    step2 = launch(ex, ahead, prev=step)
     call = ex.graphs.calls[-1]
     assert call["ids"] == [0, 0] and call["sources"] == [0, 2], "prev's samples of a and c"
     assert call["positions"] == [3, 4] and call["lens"] == [4, 5]
-    out2 = ex.complete(step2)
-    assert out2.tokens == [3, None], "c samples nothing"
-    assert [n for _, n in out2.slices] == [0, 1], "c (last, queued ahead) takes its row"
-    assert out2.captured.layers == [2], "only the layers asked for leave the device"
-    f, _ = out2.slices[1]
-    assert out2.captured.take(f, 1, (2,)).tolist() == [[10.0 + 1] * HIDDEN]
+    assert ex.complete(step2) == [3, None], "c samples nothing"
+    assert [n for _, n in step2.plan.slices] == [0, 1], "c (last, queued ahead) takes its row"
+    assert step2.rows.layers == [2], "only the layers asked for leave the device"
+    assert take(step2, 1, (2,)).tolist() == [[10.0 + 1] * HIDDEN]
 
 
 def test_a_greedy_step_takes_the_graphs_samples_and_samples_nothing_more(monkeypatch):
@@ -107,15 +120,15 @@ def test_a_greedy_step_takes_the_graphs_samples_and_samples_nothing_more(monkeyp
     a, b = seq("a", [5, 6, 7]), seq("b", [5, 6])
     for s in (a, b):
         s.num_computed = s.num_tokens - 1
-    out = ex.complete(ex.launch([Chunk(s, s.num_computed, 1) for s in (a, b)]))
-    assert out.tokens == [3, 4] and not calls, "all greedy: the replay's argmax, no sampler"
+    tokens = ex.complete(launch(ex, [Chunk(s, s.num_computed, 1) for s in (a, b)]))
+    assert tokens == [3, 4] and not calls, "all greedy: the replay's argmax, no sampler"
     b.sampling = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
-    for s, t in zip((a, b), out.tokens):
+    for s, t in zip((a, b), tokens):
         s.token_ids.append(t)
         s.num_computed += 1
-    out = ex.complete(ex.launch([Chunk(s, s.num_computed, 1) for s in (a, b)]))
-    assert len(calls) == 1 and out.tokens[0] == 3, "one row samples: the sampler runs"
-    assert ex.sampled[:2].tolist() == out.tokens, "its samples where the next step reads them"
+    tokens = ex.complete(launch(ex, [Chunk(s, s.num_computed, 1) for s in (a, b)]))
+    assert len(calls) == 1 and tokens[0] == 3, "one row samples: the sampler runs"
+    assert ex.sampled[:2].tolist() == tokens, "its samples where the next step reads them"
 
 
 class StaticGraphs(FakeGraphs):
@@ -147,16 +160,16 @@ def last_mode_steps(ending: str):
     b = seq("b", [5, 6], HiddenStatesMode.LAST, tuple(LAYERS))
     for s in (a, b):
         s.num_computed = s.num_tokens - 1
-    step1 = ex.launch([Chunk(s, s.num_computed, 1) for s in (a, b)])
-    assert step1.captured is None, "nothing ends: no row leaves"
-    step2 = ex.launch([Chunk(a, a.num_tokens, 1, ahead=True, last_input=ending == "length"),
-                       Chunk(b, b.num_tokens, 1, ahead=True)], prev=step1)
-    assert step2.captured.live, "queued ahead: both rows taken, left in the buffer"
-    ex.processed(step1)
+    step1 = launch(ex, [Chunk(s, s.num_computed, 1) for s in (a, b)])
+    assert step1.rows is None, "nothing ends: no row leaves"
+    step2 = launch(ex, [Chunk(a, a.num_tokens, 1, ahead=True, last_input=ending == "length"),
+                        Chunk(b, b.num_tokens, 1, ahead=True)], prev=step1)
+    assert step2.rows.live, "queued ahead: both rows taken, left in the buffer"
+    ex.rows.processed(step1)
     ex.complete(step1)
     if ending == "finish":
         a.finish_reason = FinishReason.STOP  # NOTE: as if step 1 sampled EOS for a
-    step3 = ex.launch([Chunk(b, b.num_tokens + 1, 1, ahead=True)], prev=step2)  # rewrites
+    step3 = launch(ex, [Chunk(b, b.num_tokens + 1, 1, ahead=True)], prev=step2)  # rewrites
     return ex, step2, step3
 
 
@@ -168,42 +181,41 @@ def test_last_rows_left_in_the_graphs_buffer_are_copied_out_before_the_next_repl
     them ends its sequence."""
     ex, step2, step3 = last_mode_steps(ending)
     assert ex.graphs.buffer[0, 0, 0] == 300.0, "the buffer holds step 3's rows now"
-    out2 = ex.complete(step2)
-    first_a, _ = out2.slices[0]
-    row = out2.captured.take(first_a, 1, (3, 0))
+    ex.complete(step2)
+    row = take(step2, 0, (3, 0))
     assert row.tolist() == [[200.0 + 2] * HIDDEN + [200.0] * HIDDEN], \
         "a's row of step 2 (its last token's), layers in its order"
-    ex.processed(step2)
-    assert step3.captured.live
+    ex.rows.processed(step2)
+    assert step3.rows.live
     ex.complete(step3)
-    ex.processed(step3)
-    assert step3.captured.block is None and ex._live is None, "step 3 read: its rows let go"
+    ex.rows.processed(step3)
+    assert step3.rows.block is None and ex.rows._live is None, "step 3 read: its rows let go"
 
 
 def test_last_rows_left_in_the_graphs_buffer_are_dropped_when_none_ends():
     ex, step2, step3 = last_mode_steps("none")
-    assert step2.captured.block is None, "no sequence of step 2 ends: nothing was copied"
-    out2 = ex.complete(step2)
+    assert step2.rows.block is None, "no sequence of step 2 ends: nothing was copied"
+    ex.complete(step2)
     with pytest.raises(RuntimeError, match="dropped"):
-        out2.captured.take(0, 1, tuple(LAYERS))
+        take(step2, 0, tuple(LAYERS))
     ex.complete(step3)
 
 
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_a_take_is_a_float32_copy_of_its_rows_in_the_layers_asked(dtype):
-    """CapturedRows.take widens on the host (bfloat16 through its bits): exact, special values
-    included, and a copy: changing it leaves the block as it was."""
-    from hsserve.engine.executor import CapturedRows
-
+def test_a_take_is_a_copy_of_its_rows_in_the_layers_and_dtype_asked(dtype, out):
+    """StepRows.take converts once, on the host, to the output's dtype (bfloat16 widened through
+    its bits): exact, special values included, and a copy: changing it leaves the block as it was."""
     block = torch.randn(5, 3, 8)
     block[2, 1, :4] = torch.tensor([float("inf"), -float("inf"), -0.0, -3.5])
     block = block.to(dtype)
-    rows = CapturedRows(block, [0, 2, 5])
-    got = rows.take(1, 2, (5, 0))
-    assert got.dtype == torch.float32
-    assert torch.equal(got, block[1:3][:, [2, 0]].reshape(2, -1).float())
-    all_layers = rows.take(2, 1, (0, 2, 5))
-    assert torch.equal(all_layers, block[2:3].reshape(1, -1).float())
-    assert torch.equal(all_layers.signbit(), block[2:3].reshape(1, -1).float().signbit())
+    rows = StepRows(block, [0, 2, 5])
+    got = rows.take(1, 2, (5, 0), out)
+    assert got.dtype == out
+    assert torch.equal(got, block[1:3][:, [2, 0]].reshape(2, -1).float().to(out))
+    all_layers = rows.take(2, 1, (0, 2, 5), out)
+    want = block[2:3].reshape(1, -1).float().to(out)
+    assert torch.equal(all_layers, want)
+    assert torch.equal(all_layers.signbit(), want.signbit())
     all_layers += 1
-    assert torch.equal(rows.take(2, 1, (0, 2, 5)), block[2:3].reshape(1, -1).float())
+    assert torch.equal(rows.take(2, 1, (0, 2, 5), out), want)

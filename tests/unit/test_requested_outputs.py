@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import hsserve.triton.adapter as triton_model
 from hsserve.request import Delta, FinishReason
+from hsserve.triton.inflight import Inflight, InflightRequests
+from hsserve.triton.responses import Responses, requested_outputs
 from hsserve.triton.tensors import OUTPUTS
-from hsserve.triton.adapter import TritonPythonModel, _Inflight, requested_outputs
 
 
 class FakePb:
@@ -44,13 +44,12 @@ class Sender:
         self.sent.append(({t.name: t.value for t in response.outputs}, flags))
 
 
-def responses(monkeypatch, want, deltas):
-    monkeypatch.setattr(triton_model, "pb_utils", FakePb)
-    model = TritonPythonModel.__new__(TritonPythonModel)  # NOTE: no initialize(): no Triton
-    model.hidden_dtype = torch.float32
-    state = _Inflight(Sender(), stream=True, outputs=requested_outputs(Request(want)))
+def responses(want, deltas):
+    requests = InflightRequests(Responses(FakePb), abort=print, warn=print)
+    state = Inflight(Sender(), stream=True, outputs=requested_outputs(Request(want)))
+    requests.add("a", state)
     for d in deltas:
-        model._send(state, d)
+        requests.deliver("a", d)
     return state.sender.sent
 
 
@@ -61,22 +60,22 @@ def deltas():
                   num_input_tokens=3, num_output_tokens=3, request_done=True)]
 
 
-def test_a_request_naming_no_outputs_gets_them_all(monkeypatch):
+def test_a_request_naming_no_outputs_gets_them_all():
     assert requested_outputs(Request([])) == frozenset(OUTPUTS)
-    first, last = responses(monkeypatch, [], deltas())
+    first, last = responses([], deltas())
     assert set(first[0]) == {"text_output", "output_ids", "sequence_index", "HIDDEN_STATES"}
     assert set(last[0]) == set(OUTPUTS) and last[1] == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert last[0]["text_output"].tolist() == [b"!"] and last[0]["num_output_tokens"] == [3]
     np.testing.assert_array_equal(first[0]["output_ids"], np.array([5, 6], np.int32))
 
 
-def test_only_the_outputs_asked_for_are_built(monkeypatch):
+def test_only_the_outputs_asked_for_are_built():
     asked = ["output_ids", "num_output_tokens", "not_an_output"]
     assert requested_outputs(Request(asked)) == {"output_ids", "num_output_tokens"}
-    first, last = responses(monkeypatch, asked, deltas())
+    first, last = responses(asked, deltas())
     assert list(first[0]) == ["output_ids"], "no text, sequence index or rows built"
     assert list(last[0]) == ["output_ids", "num_output_tokens"]
     assert last[1] == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, "the final flag all the same"
-    first, last = responses(monkeypatch, ["HIDDEN_STATES"], deltas())
+    first, last = responses(["HIDDEN_STATES"], deltas())
     assert list(first[0]) == ["HIDDEN_STATES"] and list(last[0]) == ["HIDDEN_STATES"]
     assert torch.equal(first[0]["HIDDEN_STATES"], torch.ones(1, 4))

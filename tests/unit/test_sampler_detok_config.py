@@ -9,6 +9,7 @@ from hsserve.engine.config import ConfigError, EngineConfig
 from hsserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher, text_decoder
 from hsserve.request import HiddenStatesMode, SamplingParams
 from hsserve.engine.sampler import sample, uniform_noise
+from hsserve.triton.config import AdapterConfig, split_parameters
 
 
 def test_noise_depends_only_on_seed_and_step():
@@ -82,17 +83,22 @@ def test_config_from_parameters():
     assert cfg.enable_prefix_caching is False and cfg.kv_cache_memory_fraction == 0.5
     assert EngineConfig.from_parameters({"hidden_layers_captured": "all"}).hidden_layers_captured is None
     assert EngineConfig.from_parameters({"async_scheduling": "off"}).async_scheduling == "off"
-    assert EngineConfig.from_parameters({"engine_process": "false"}).engine_process is False
-    assert EngineConfig().engine_process is True
+    adapter, engine = split_parameters({"engine_process": "false", "max_num_seqs": "4"}, "bfloat16")
+    assert adapter.engine_process is False and AdapterConfig().engine_process is True
+    assert engine.max_num_seqs == 4 and engine.hidden_dtype == "bfloat16"
     assert EngineConfig.from_parameters({"prefill_wait_ms": "7.5"}).prefill_wait_ms == 7.5
     for bad, word in [({"dtype": "int8"}, "dtype"), ({"max_num_seqs": "x"}, "max_num_seqs"),
                       ({"nope": "1"}, "unknown parameter"), ({"enable_cuda_graph": "maybe"}, "enable_cuda_graph"),
                       ({"hidden_states_ceiling": "most"}, "hidden_states_ceiling"),
                       ({"async_scheduling": "yes"}, "async_scheduling"),
-                      ({"engine_process": "sometimes"}, "engine_process"),
                       ({"prefill_wait_ms": "-1"}, "prefill_wait_ms")]:
         with pytest.raises((ConfigError, ValueError), match=word):
             EngineConfig.from_parameters(bad)
+    for bad, word in [({"engine_process": "sometimes"}, "engine_process"),
+                      ({"drain_timeout_s": "-1"}, "drain_timeout_s"), ({"nope": "1"}, "unknown"),
+                      ({"default_max_tokens": "5000"}, "default_max_tokens")]:
+        with pytest.raises(ConfigError, match=word):
+            split_parameters(bad)
 
 
 def test_text_decoder_equals_tokenizer_decode(smollm_dir):

@@ -1,42 +1,31 @@
-"""The Triton adapter's sender thread (triton_model._send_loop) without Triton: what it merges into
-one response, and what it never holds back."""
+"""The Triton adapter's ResponseSender without Triton: what it merges into one response, and what
+it never holds back."""
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 
 from hsserve.request import Delta, FinishReason
-from hsserve.triton.adapter import _GATE_MAX_WAIT_S, TritonPythonModel
-
-
-class Stream:
-    stream = True  # NOTE: what the sender reads of an in-flight request
+from hsserve.triton.sender import ResponseSender
 
 
 class Sender:
-    """The adapter's sender thread over a recording _deliver, `inflight` streams in flight."""
+    """A ResponseSender over a recording deliver, `inflight` streams in flight."""
 
-    def __init__(self, rate: int, inflight: int, gate: threading.Event | None = None):
-        model = TritonPythonModel.__new__(TritonPythonModel)  # NOTE: no initialize(): no Triton
-        model._gate = gate
-        model._outbox = queue.SimpleQueue()
-        model._inflight = {i: Stream() for i in range(inflight)}
-        model.stream_rate = rate
+    def __init__(self, rate: int, inflight: int):
         self.sent: list[tuple[float, str, Delta]] = []
-        model._deliver = lambda rid, d: self.sent.append((time.monotonic(), rid, d))
-        self.model = model
-        self.thread = threading.Thread(target=model._send_loop, daemon=True)
-        self.thread.start()
+        self.model = ResponseSender(rate, lambda: inflight, self._record)
+        self.model.start()
+
+    def _record(self, rid: str, d: Delta) -> None:
+        self.sent.append((time.monotonic(), rid, d))
 
     def put(self, d: Delta) -> None:
-        self.model._outbox.put(d)
+        self.model.put(d)
 
     def stop(self) -> None:
-        self.model._outbox.put(None)  # NOTE: the adapter's stop marker
-        self.thread.join(timeout=5)
-        assert not self.thread.is_alive()
+        self.model.stop(timeout=5)
+        assert not self.model._thread.is_alive()
 
 
 def token(rid: str, t: int, final: bool = False) -> Delta:
@@ -96,14 +85,14 @@ def test_a_request_ends_after_all_its_completions():
     """n = 2: the response that ends the request goes after the other completion's final, even
     when both arrive in one round (the adapter forgets a request once it has ended)."""
     s = Sender(rate=10, inflight=100)
-    record = s.model._deliver
+    record = s.model.deliver
 
     def slow_first_rounds(rid, d):  # NOTE: keeps the sender busy while the rest is queued
         record(rid, d)
         if len(s.sent) <= 2:
             time.sleep(0.1)
 
-    s.model._deliver = slow_first_rounds
+    s.model.deliver = slow_first_rounds
     for i in (1, 0):
         s.put(Delta("r", [0], "", sequence_index=i))
     time.sleep(0.02)
@@ -119,41 +108,17 @@ def test_a_request_ends_after_all_its_completions():
     assert sent == [(1, [0], False), (0, [0], False), (0, [1, 2], False), (1, [1, 2], True)]
 
 
-def test_on_a_gpu_responses_go_while_the_engine_waits_on_the_device():
-    """The gate (the engine's device_wait) clear: a round of responses waits for it, at most
-    _GATE_MAX_WAIT_S in all (not per response); set: they go at once."""
-    gate = threading.Event()
-    s = Sender(rate=0, inflight=40, gate=gate)
-    t0 = time.monotonic()
-    for i in range(40):  # NOTE: 40 first responses due together
-        s.put(token(f"r{i}", 0))
-    deadline = t0 + 5
-    while len(s.sent) < 40 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert len(s.sent) == 40
-    assert s.sent[0][0] - t0 >= 0.9 * _GATE_MAX_WAIT_S, "sent before the gate or the limit"
-    # NOTE: one wait per response would take 40 x 10 ms
-    assert s.sent[-1][0] - t0 < 0.15, s.sent[-1][0] - t0
-    gate.set()
-    t1 = time.monotonic()
-    s.put(token("r0", 1))
-    s.put(token("r0", 2, final=True))
-    s.stop()
-    assert [d.token_ids for _, rid, d in s.sent if rid == "r0"][1:] in ([[1, 2]], [[1], [2]])
-    assert s.sent[-1][0] - t1 < 1.0
-
-
 def test_a_final_does_not_wait_behind_responses_held_for_the_budget():
     """At many streams the budget keeps the sender busy; a final (it frees the client for its next
     request) goes before the responses that are merely due, not after a whole round of them."""
     s = Sender(rate=1000, inflight=40)  # NOTE: 40 ms between a stream's responses
-    record = s.model._deliver
+    record = s.model.deliver
 
     def slow(rid, d):  # NOTE: a send() of 3 ms
         time.sleep(0.003)
         record(rid, d)
 
-    s.model._deliver = slow
+    s.model.deliver = slow
     for i in range(40):
         s.put(token(f"r{i}", 0))  # NOTE: 40 firsts: one round of ~120 ms
     time.sleep(0.02)

@@ -1,44 +1,68 @@
-"""Admission: a request is checked against the server's limits and becomes a Sequence.
-
-Runs on the submitting thread (Triton's execute), so a bad request is refused before it reaches
-the engine loop; every refusal is a RequestError naming the input and what is allowed.
+"""Admission: a request is checked against the server's limits once, on the submitting thread
+(Triton's execute), so a bad request is refused before it reaches the engine loop or process;
+every refusal is a RequestError naming the input and what is allowed.
 """
 
 from __future__ import annotations
 
 import random
 import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hsserve.engine.config import EngineConfig
 from hsserve.engine.detokenizer import IncrementalDetokenizer
-from hsserve.models.spec import ModelSpec
 from hsserve.request import (
     EngineUnavailable,
     FinishReason,
     GenerationRequest,
     HiddenStatesMode,
     RequestError,
+    SamplingParams,
 )
 from hsserve.engine.sampler import sample_seed
 from hsserve.engine.sequence import SampleGroup, Sequence
 
+if TYPE_CHECKING:
+    from hsserve.engine.messages import EngineInfo
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """A request that passed admission: tokenized, checked, MODE and layers normalized (0..L),
+    its seed drawn. What the engine loop (or the engine process) receives."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    hidden_mode: HiddenStatesMode
+    hidden_layers: tuple[int, ...]
+
+
+def make_sequences(req: AdmittedRequest, tokenizer, max_model_len: int, sink) -> list[Sequence]:
+    """The n Sequences of an admitted request, one per completion."""
+    sp, ids = req.sampling, req.prompt_ids
+    group = SampleGroup(sp.n)
+    limit = min(len(ids) + sp.max_tokens, max_model_len)
+    for i in range(sp.n):
+        detok = IncrementalDetokenizer(tokenizer, ids) if tokenizer is not None else None
+        seq = Sequence(req.request_id, ids, sp, sample_seed(req.seed, i), req.hidden_mode,
+                       req.hidden_layers, detok, sink, arrival=0, max_num_tokens=limit,
+                       group=group)
+        if sp.max_tokens == 0:
+            seq.finish_reason = FinishReason.LENGTH  # NOTE: prompt only: no token is sampled
+    return group.seqs
+
 
 class Admission:
-    def __init__(
-        self,
-        config: EngineConfig,
-        spec: ModelSpec,
-        tokenizer,
-        max_model_len: int,
-        max_prompt_tokens: int,
-        captured_layers: tuple[int, ...],
-    ):
-        self.spec, self.tokenizer = spec, tokenizer
-        self.max_model_len, self.max_prompt_tokens = max_model_len, max_prompt_tokens
+    def __init__(self, config: EngineConfig, info: EngineInfo):
+        self.spec, self.tokenizer = info.spec, info.tokenizer
+        self.max_model_len, self.max_prompt_tokens = info.max_model_len, info.max_prompt_tokens
         self.max_tokens_limit = config.max_tokens_limit
         self.max_n = config.max_num_seqs
         self.ceiling = config.hidden_states_ceiling
-        self.captured_layers = captured_layers
+        self.captured_layers = info.captured_layers
         self._rng = random.Random()  # NOTE: seeds for unseeded requests
 
     def prompt_ids(self, request: GenerationRequest) -> tuple[list[int], str]:
@@ -74,7 +98,7 @@ class Admission:
                 f"the prompt has {len(ids)} tokens; with max_tokens={sp.max_tokens} it must leave "
                 f"room within max_model_len={self.max_model_len}",
             )
-        mode = HiddenStatesMode.parse(request.hidden_mode)
+        mode = HiddenStatesMode.parse(request.hidden_mode)  # NOTE: the one parse of MODE
         ceiling = self.ceiling
         if mode > ceiling:
             allowed = ", ".join(m.label for m in HiddenStatesMode if m <= ceiling)
@@ -88,19 +112,12 @@ class Admission:
             layers = tuple(self.normalize_layer(k) for k in request.hidden_layers)
         return ids, mode, layers
 
-    def make_sequences(self, request: GenerationRequest, sink) -> list[Sequence]:
-        """Validate `request` (RequestError names the input) and build its n Sequences."""
+    def admit(self, request: GenerationRequest) -> AdmittedRequest:
+        """Validate `request` (RequestError names the input) and settle what the engine needs."""
         ids, mode, layers = self.check(request)
         sp = request.sampling
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
-        group = SampleGroup(sp.n)
-        for i in range(sp.n):
-            detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
-            seq = Sequence(request.request_id, ids, sp, sample_seed(seed, i), mode, layers, detok,
-                           sink, arrival=0, group=group)
-            if sp.max_tokens == 0:
-                seq.finish_reason = FinishReason.LENGTH  # NOTE: prompt only: no token is sampled
-        return group.seqs
+        return AdmittedRequest(request.request_id, ids, sp, seed, mode, layers)
 
     def normalize_layer(self, k: int) -> int:
         n = self.spec.num_layers
@@ -111,7 +128,6 @@ class Admission:
         if k not in self.captured_layers:
             raise RequestError("hidden_layers", f"layer {k} is not captured by this server; {allowed}")
         return k
-
 
 
 class RequestIds:

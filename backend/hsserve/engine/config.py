@@ -32,7 +32,6 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_prompt_tokens: int = 0  # 0 = max_model_len
     max_tokens_limit: int = 4096
-    default_max_tokens: int = 16
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.9  # GPU: of free memory; CPU: of available RAM, see kv_cache_max_bytes
@@ -47,16 +46,7 @@ class EngineConfig:
     # arriving close together prefill in one step (a step that prefills runs outside the CUDA
     # graphs, and on the GPU costs a few decode steps); 0 = admit at once
     prefill_wait_ms: float = 0.0
-    # NOTE: Triton: run the engine's loop in a child process (its own GIL); false: a thread of the
-    # Python stub, sharing the GIL with the response sender
-    engine_process: bool = True
-    # NOTE: Triton: when the server stops, requests in flight may finish for this long, then the
-    # rest end with UNAVAILABLE (keep it below tritonserver's --exit-timeout-secs)
-    drain_timeout_s: float = 5.0
-    # NOTE: Triton: streamed responses per second the sender aims at, over all requests; with many
-    # streams each response then carries several tokens (building each response costs the stub's
-    # Python, which the engine's loop shares, ~80 us). 0 = one response per token.
-    stream_responses_per_s: int = 4000
+    hidden_dtype: str = "float32"  # rows handed out in this dtype (Triton: HIDDEN_STATES's)
     cache_dir: str = ""  # where the default model is converted; "" = ~/.cache/hsserve
     num_threads: int = 0  # CPU torch threads; 0 = torch's default
 
@@ -65,6 +55,8 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} not in {_DTYPES}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format: {self.load_format!r}; allowed: auto, dummy")
+        if self.hidden_dtype not in _DTYPES[1:]:
+            raise ConfigError(f"hidden_dtype: {self.hidden_dtype!r} not in {_DTYPES[1:]}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError(f"async_scheduling: {self.async_scheduling!r}; allowed: auto, on, off")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
@@ -73,7 +65,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "max_prompt_tokens", "num_kv_blocks", "num_threads",
-                     "max_queue_size", "stream_responses_per_s"):
+                     "max_queue_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -84,26 +76,25 @@ class EngineConfig:
             )
         if not 0.0 <= self.prefill_wait_ms <= 1000.0:
             raise ConfigError(f"prefill_wait_ms: {self.prefill_wait_ms} must be in 0..1000")
-        if not 0.0 <= self.drain_timeout_s <= 3600.0:
-            raise ConfigError(f"drain_timeout_s: {self.drain_timeout_s} must be in 0..3600")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError("kv_cache_memory_fraction: must be in (0, 1]")
-        if not 0 <= self.default_max_tokens <= self.max_tokens_limit:
-            raise ConfigError("default_max_tokens: must be in 0..max_tokens_limit")
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> EngineConfig:
-        """Parse string values (config.pbtxt `parameters`) into a validated config.
+        """Parse string values (config.pbtxt `parameters`) into a validated config; unknown keys
+        are refused so that a typo does not silently fall back to a default."""
+        return cls(**parse_fields(cls, params))
 
-        Unknown keys are refused so that a typo does not silently fall back to a default.
-        """
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, raw in params.items():
-            if key not in known:
-                raise ConfigError(f"unknown parameter {key!r}; known: {sorted(known)}")
-            values[key] = _parse_value(key, known[key].type, str(raw).strip())
-        return cls(**values)
+
+def parse_fields(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+    """String values of a config dataclass's fields, parsed by each field's type."""
+    known = {f.name: f for f in fields(cls)}
+    values: dict[str, Any] = {}
+    for key, raw in params.items():
+        if key not in known:
+            raise ConfigError(f"unknown parameter {key!r}; known: {sorted(known)}")
+        values[key] = _parse_value(key, known[key].type, str(raw).strip())
+    return values
 
 
 def _parse_value(key: str, type_name: str, raw: str) -> Any:

@@ -140,7 +140,7 @@ class DecodeGraphs:
                                  out=self.logits[:size])
         # NOTE: every row's greedy sample, where the next step reads its input tokens (read
         # above, so rewriting them here is safe): a greedy step needs no kernel launched from
-        # Python (two launches, ~30 us of the loop's host time each) and no gap after the replay
+        # Python and no gap after the replay (bench/README.md#argmax-in-the-decode-graphs)
         argmax_rows(self.logits[:size], out=self.sampled[:size],
                     host=(self.host_samples, self.host_slot))
 

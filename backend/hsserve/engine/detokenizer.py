@@ -10,8 +10,8 @@ _CONTEXT_TOKENS = 6  # prompt tokens decoded as left context (leading-space rule
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     """ids -> text, as tokenizer.decode(ids, skip_special_tokens=True) returns it. For a fast
     (tokenizers-backed) tokenizer whose decode adds no clean-up pass, the backend's own decode:
-    transformers' Python wrapper around it cost ~25 us per call here, twice per generated token,
-    which at 64 sequences is a GPU step's worth of host time."""
+    transformers' Python wrapper around it costs a GPU step's host time at 64 sequences
+    (bench/README.md#detokenizer-backend-decode)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     mro = type(tokenizer).__mro__
     owner = next((k for k in mro if "backend_tokenizer" in vars(k)), None)

@@ -1,96 +1,39 @@
-"""EngineProcess: the Engine in a child process, behind the Engine's client API.
+"""EngineProcess: the engine loop in a child process (spawned: CUDA is initialised there only),
+behind the EngineClient interface: in tritonserver's Python stub the loop would share one GIL
+with the response sender (bench/README.md#engine-process).
 
-In tritonserver's Python stub the engine's loop thread shares one GIL with the response sender and
-the stub's own threads. Measured on the H200 (py-spy of the stub, 64 streams): the loop held the
-GIL 53% of the time and otherwise waited for it; a decode step took ~3.2 ms in the stub against
-1.4 ms for the engine alone. Here the loop runs in a process of its own (spawned: CUDA is
-initialised there only) and has its GIL to itself.
-
-Parent (the stub): admission (the same checks and errors as Engine.submit, raised at submit, no
-round trip), the request ids in flight, and a receiver thread that turns the child's batches into
-Deltas for each request's sink. Child: the Engine; its main thread applies the parent's commands.
-The loop thread itself turns each round's deltas into one pickled message (Engine's after_round);
-a shipper thread only writes the messages to the pipe, which needs no GIL: a second Python
-thread converting deltas took the GIL from the loop every step (at 64 streams on the H200 the
-engine process ran 5-14% below the engine alone; after, -7% to +3% in three runs, -11% in one).
-
-Two pipes carry standard pickles (hidden rows as raw bytes: no shared-memory tensors, no fds):
-  parent -> child  ("add", request) ("abort", id) ("fail_all", message) ("clear_cache", None)
-                   ("snapshot", None) ("stop", None)
-  child -> parent  ("ready", info) or ("failed", error), once; then ("deltas", [wire deltas]),
-                   ("snapshot", EngineSnapshot), ("died", message); ("stopped", None) last.
-If the child exits unannounced (killed, crashed), every request in flight ends with an error and
-`died` turns true, as when an in-process engine's loop dies.
+Parent (here): admission (errors raised at submit, no round trip), the request ids in flight, and
+a receiver thread that hands each request's deltas to its sink. Child (process_child.py): the
+Engine. Two pipes carry the typed messages of messages.py, pickled (hidden rows as raw bytes in
+their output dtype). If the child exits unannounced, every request in flight ends with an error
+and `died` turns true, as when an in-process engine's loop dies.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
 import pickle
 import queue
-import signal
 import sys
 import threading
-
-import torch
+from typing import Callable
 
 from hsserve.engine.admission import Admission, RequestIds, not_serving
+from hsserve.engine.client import Sink
 from hsserve.engine.config import EngineConfig
-from hsserve.engine.loop import Engine, Sink
-from hsserve.request import Delta, EngineUnavailable, FinishReason, GenerationRequest
+from hsserve.engine.messages import (Abort, Add, ClearCache, Deltas, Died, EngineInfo, FailAll,
+                                     Failed, SnapshotTaken, Stop, Stopped, TakeSnapshot,
+                                     delta_from_wire, error_delta)
+from hsserve.engine.process_child import child_main, post
 from hsserve.engine.request_stream import RequestStream
 from hsserve.engine.stats import EngineSnapshot
+from hsserve.request import Delta, EngineUnavailable, GenerationRequest
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
 _SNAPSHOT_TIMEOUT_S = 5.0
-
-
-# ---- deltas on the wire ------------------------------------------------------------------------
-
-
-def delta_to_wire(d: Delta) -> tuple:
-    """A Delta as a tuple of plain values (rows as (dtype, shape, bytes)): cheap to pickle."""
-    hidden = None
-    if d.hidden is not None:
-        h = d.hidden.contiguous()
-        hidden = (str(h.dtype).removeprefix("torch."), tuple(h.shape), h.view(-1).view(torch.uint8).numpy())
-    reason = d.finish_reason.value if d.finish_reason is not None else None
-    return (d.request_id, d.token_ids, d.text, hidden, reason, d.num_input_tokens,
-            d.num_output_tokens, d.error, d.sequence_index, d.request_done)
-
-
-def delta_from_wire(w: tuple) -> Delta:
-    rid, tokens, text, hidden, reason, n_in, n_out, error, index, done = w
-    if hidden is not None:
-        dtype, shape, raw = hidden
-        hidden = torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
-    return Delta(rid, tokens, text, hidden, FinishReason(reason) if reason is not None else None,
-                 n_in, n_out, error, index, done)
-
-
-def error_delta(request_id: str, message: str) -> Delta:
-    """The one final delta of a request that the engine process could not serve."""
-    return Delta(request_id, [], "", finish_reason=FinishReason.ERROR, error=message,
-                 request_done=True)
-
-
-def _message(kind: str, arg) -> bytes:
-    return pickle.dumps((kind, arg), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _post(conn, lock: threading.Lock, kind: str, arg) -> None:
-    """One message (kind, arg) on a pipe, whole: several threads send on each end."""
-    _send_bytes(conn, lock, _message(kind, arg))
-
-
-def _send_bytes(conn, lock: threading.Lock, data: bytes) -> None:
-    with lock:
-        conn.send_bytes(data)
 
 
 def _python_executable() -> str:
@@ -110,8 +53,10 @@ def _python_executable() -> str:
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, on_step: Callable[[int], None] | None = None):
+        """on_step: handed to the child's Engine (picklable; see Engine)."""
         self.config = config
+        self._on_step = on_step
         self.error: BaseException | None = None
         self._ids = RequestIds(config)  # NOTE: its lock also guards _sinks
         self._sinks: dict[str, Sink] = {}
@@ -133,7 +78,8 @@ class EngineProcess:
         ctx.set_executable(_python_executable())
         cmd_recv, self._cmd = ctx.Pipe(duplex=False)
         self._evt, evt_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=child_main, args=(self.config, cmd_recv, evt_send),
+        self._proc = ctx.Process(target=child_main,
+                                 args=(self.config, cmd_recv, evt_send, self._on_step),
                                  name="hsserve-engine", daemon=True)
         self._proc.start()
         cmd_recv.close()  # NOTE: the child's ends; closed here so that a dead child reads as EOF
@@ -142,25 +88,22 @@ class EngineProcess:
             while not self._evt.poll(1.0):  # NOTE: loading
                 if not self._proc.is_alive():
                     raise EOFError  # NOTE: as when its end of the pipe closes
-            kind, arg = pickle.loads(self._evt.recv_bytes())
+            msg = pickle.loads(self._evt.recv_bytes())
         except (EOFError, OSError):
             self._proc.join(5)
-            kind, arg = "failed", RuntimeError(
-                f"the engine process exited with code {self._proc.exitcode} while loading")
+            msg = Failed(RuntimeError(
+                f"the engine process exited with code {self._proc.exitcode} while loading"))
         except BaseException:
             self._stopped = True
             self._proc.kill()
             raise
-        if kind == "failed":
+        if isinstance(msg, Failed):
             self._stopped = True
             self._proc.join(30)
-            self.error = arg
-            raise arg
-        self.spec, self.max_model_len = arg["spec"], arg["max_model_len"]
-        self.captured_layers, self.device = arg["captured_layers"], torch.device(arg["device"])
-        self.num_graph_captures = arg["graph_captures"]
-        self._admission = Admission(self.config, arg["spec"], arg["tokenizer"], arg["max_model_len"],
-                                    arg["max_prompt_tokens"], arg["captured_layers"])
+            self.error = msg.error
+            raise msg.error
+        self.info: EngineInfo = msg.info
+        self._admission = Admission(self.config, msg.info)
         self._receiver = threading.Thread(target=self._receive, name="hsserve-engine-events",
                                           daemon=True)
         self._receiver.start()
@@ -173,7 +116,7 @@ class EngineProcess:
             return
         self._stopped = True
         try:
-            self._command("stop", None)
+            self._command(Stop())
         except OSError:
             pass
         if self._receiver is not None:
@@ -206,9 +149,8 @@ class EngineProcess:
         not serving; the request's deltas go to `sink` from the receiver thread."""
         if not self.healthy:
             raise not_serving(self.error, self._dead)
-        ids, _, _ = self._admission.check(request)
+        admitted = self._admission.admit(request)
         sink = sink or RequestStream(request.request_id)
-        wire = dataclasses.replace(request, prompt=None, prompt_ids=ids)  # NOTE: tokenized once
         rid = request.request_id
         with self._ids.lock:
             self._ids.claim(rid, closed=self._dead or self._stopped)
@@ -216,7 +158,7 @@ class EngineProcess:
         try:
             # NOTE: outside the ids lock: a full pipe blocks this send until the child reads, and
             # the child may first need the receiver (which takes that lock) to drain its events
-            self._command("add", wire)
+            self._command(Add(admitted))
         except Exception as e:
             with self._ids.lock:
                 mine = self._sinks.pop(rid, None) is not None
@@ -229,13 +171,13 @@ class EngineProcess:
         return sink
 
     def abort(self, request_id: str) -> None:
-        self._command_quietly("abort", request_id)
+        self._command_quietly(Abort(request_id))
 
     def abort_all(self, message: str) -> None:
-        self._command_quietly("fail_all", message)
+        self._command_quietly(FailAll(message))
 
     def clear_prefix_cache(self) -> None:
-        self._command_quietly("clear_cache", None)
+        self._command_quietly(ClearCache())
 
     def generate(self, request: GenerationRequest, timeout: float | None = None):
         return self.submit(request).result(timeout)
@@ -250,18 +192,18 @@ class EngineProcess:
                     self._snapshots.get_nowait()
                 except queue.Empty:
                     break
-            self._command_quietly("snapshot", None)
+            self._command_quietly(TakeSnapshot())
             try:
                 return self._snapshots.get(timeout=_SNAPSHOT_TIMEOUT_S)  # NOTE: None: it ended
             except queue.Empty:
                 return None
 
-    def _command(self, kind: str, arg) -> None:
-        _post(self._cmd, self._send_lock, kind, arg)
+    def _command(self, msg) -> None:
+        post(self._cmd, self._send_lock, msg)
 
-    def _command_quietly(self, kind: str, arg) -> None:
+    def _command_quietly(self, msg) -> None:
         try:
-            self._command(kind, arg)
+            self._command(msg)
         except OSError:
             pass  # NOTE: the child is gone; the receiver ends what was in flight
 
@@ -270,14 +212,14 @@ class EngineProcess:
     def _receive(self) -> None:
         try:
             while True:
-                kind, arg = pickle.loads(self._evt.recv_bytes())
-                if kind == "deltas":
-                    self._deliver([delta_from_wire(wire) for wire in arg])
-                elif kind == "snapshot":
-                    self._snapshots.put(arg)
-                elif kind == "died":
-                    self.error, self._dead = RuntimeError(arg), True
-                elif kind == "stopped":
+                msg = pickle.loads(self._evt.recv_bytes())
+                if isinstance(msg, Deltas):
+                    self._deliver([delta_from_wire(wire) for wire in msg.wire])
+                elif isinstance(msg, SnapshotTaken):
+                    self._snapshots.put(msg.snapshot)
+                elif isinstance(msg, Died):
+                    self.error, self._dead = RuntimeError(msg.message), True
+                elif isinstance(msg, Stopped):
                     if not self._stopped:  # NOTE: not asked: the child's command loop failed
                         self.error = RuntimeError("the engine process stopped by itself")
                         self._dead = True
@@ -326,124 +268,3 @@ class EngineProcess:
                 log.exception("sink of request %s failed", rid)
 
 
-# ---- child side --------------------------------------------------------------------------------
-
-
-def child_main(config: EngineConfig, cmd, evt) -> None:
-    """The engine process: load, say ready, apply commands until told to stop (or the parent is
-    gone), then stop the engine and send what is left."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # NOTE: the parent decides when to stop
-    logging.basicConfig(level=logging.INFO, format="hsserve-engine %(levelname)s %(name)s: %(message)s")
-    send_lock = threading.Lock()
-
-    def send(kind: str, arg) -> None:
-        _post(evt, send_lock, kind, arg)
-
-    deltas: list[Delta] = []  # NOTE: the loop thread's, between two rounds
-    outbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: messages for the shipper
-
-    def collect(d: Delta) -> None:  # NOTE: every request's sink, on the loop thread
-        deltas.append(d)
-
-    def ship_round() -> None:  # NOTE: on the loop thread, after each round
-        if not deltas:
-            return
-        try:
-            batch = [delta_to_wire(d) for d in deltas]
-            # NOTE: pickled here, but a round with hidden rows (a copy of every row's bytes) is
-            # pickled by the shipper, as the loop may meanwhile wait on the device
-            rows = any(d.hidden is not None for d in deltas)
-            outbox.put(("deltas", batch) if rows else _message("deltas", batch))
-        except BaseException:  # noqa: BLE001 - as in the shipper: deltas lost would hang requests
-            log.exception("shipping the engine's deltas failed; ending the engine process")
-            os._exit(1)  # NOTE: the parent reads EOF and ends every request in flight
-        deltas.clear()
-
-    engine = Engine(config, after_round=ship_round)
-    try:
-        engine.start()
-    except BaseException as e:  # noqa: BLE001 - handed to the parent's start()
-        send("failed", _portable(e))
-        return
-    info = {
-        "spec": engine.spec, "tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len,
-        "max_prompt_tokens": engine.max_prompt_tokens, "captured_layers": engine.captured_layers,
-        "device": str(engine.device), "graph_captures": engine.num_graph_captures,
-    }
-    try:
-        send("ready", info)
-    except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that does not pickle
-        engine.shutdown()
-        send("failed", RuntimeError(f"the engine process could not hand over its model: {e!r}"))
-        return
-    shipper = threading.Thread(target=_ship, args=(outbox, evt, send_lock), name="hsserve-shipper",
-                               daemon=True)
-    shipper.start()
-    told_died = False
-    try:
-        while True:
-            if engine.died and not told_died:
-                told_died = True
-                outbox.put(_message("died", f"the engine stopped: {engine.error!r}"))
-            if not cmd.poll(0.5):
-                continue
-            kind, arg = pickle.loads(cmd.recv_bytes())
-            if kind == "stop":
-                break
-            try:
-                _apply(engine, kind, arg, collect, outbox, send)
-            except OSError:
-                raise
-            except Exception:  # noqa: BLE001 - one bad command must not stop the engine
-                log.exception("command %r failed", kind)
-    except (EOFError, OSError):
-        log.warning("the parent process is gone; stopping the engine")
-    finally:
-        engine.shutdown()
-        outbox.put(_STOP)
-        shipper.join(30)
-        try:
-            send("stopped", None)
-        except OSError:
-            pass
-
-
-def _portable(e: BaseException) -> BaseException:
-    """e if it survives a pickle round trip (the parent re-raises it), else a RuntimeError
-    naming it."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(e).__name__}: {e}")
-
-
-def _apply(engine: Engine, kind: str, arg, sink, outbox: queue.SimpleQueue, send) -> None:
-    if kind == "add":
-        try:
-            engine.submit(arg, sink=sink)
-        except Exception as e:  # noqa: BLE001 - the parent checked it; the engine may have died
-            outbox.put(_message("deltas", [delta_to_wire(error_delta(arg.request_id, str(e)))]))
-    elif kind == "abort":
-        engine.abort(arg)
-    elif kind == "fail_all":
-        engine.abort_all(arg)
-    elif kind == "clear_cache":
-        engine.clear_prefix_cache()
-    elif kind == "snapshot":
-        send("snapshot", engine.snapshot())
-    else:
-        log.error("unknown command %r", kind)
-
-
-def _ship(outbox: queue.SimpleQueue, evt, lock: threading.Lock) -> None:
-    """The engine's messages to the parent, in order, until _STOP: pickled already, or a
-    (kind, arg) to pickle here."""
-    try:
-        while (item := outbox.get()) is not _STOP:
-            _send_bytes(evt, lock, item if isinstance(item, bytes) else _message(*item))
-    except OSError:
-        log.warning("the parent process is gone; deltas dropped")
-    except BaseException:  # noqa: BLE001 - without the shipper no request would ever end
-        log.exception("the delta shipper failed; ending the engine process")
-        os._exit(1)  # NOTE: the parent reads EOF and ends every request in flight

@@ -3,53 +3,31 @@
 Every step: running sequences decode one token each (oldest first; the newest is preempted and
 recomputed later when the pool runs dry), prompts in progress take their next chunk, then waiting
 sequences are admitted (starting from their longest cached prefix) while there is room in the
-batch, the token budget and the KV pool.
+batch, the token budget and the KV pool. With async scheduling the next decode step may be
+planned before the last one is read (schedule_ahead). All KV blocks are allocated here.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass
+from typing import Callable
 
 from hsserve.engine.block_pool import BlockPool, chain_hash
-from hsserve.request import HiddenStatesMode
+from hsserve.engine.hidden_rows import covers_every_prompt_row, wants_final_row
 from hsserve.engine.sequence import Sequence, Status
-
-
-@dataclass(slots=True)
-class Chunk:
-    """Compute K/V (and rows) for the tokens at positions start..start + num_tokens - 1 this step
-    (seq.token_ids[start:end]; for a chunk queued ahead, the one token is still on the device)."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    # NOTE: queued ahead (engine): before the previous step was read, so its one input token is
-    # that step's sample, still on the device (start == seq.num_tokens when queued)
-    ahead: bool = False
-    last_input: bool = False  # ahead: that token is the sequence's last by length, so no sample
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def completes(self) -> bool:
-        """True when this chunk reaches the last known token of the sequence."""
-        return self.end == self.seq.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        if self.ahead:
-            return not self.last_input and self.seq.finish_reason is None
-        return self.completes and self.seq.finish_reason is None
+from hsserve.engine.types import Chunk
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_wait_ms: float = 0.0,
+                 on_preempt: Callable[[Sequence], None] | None = None):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_wait_s = prefill_wait_ms / 1000
+        self._on_preempt = on_preempt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -65,8 +43,47 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule(self, admit: bool = True) -> list[Chunk]:
-        """This step's chunks; waiting sequences are admitted only when `admit`."""
+    def admit_now(self) -> bool:
+        """Admit waiting prompts this step: at once when nothing runs, when they fill the free
+        slots, or when the oldest has waited prefill_wait_ms; until then decoding goes on, so
+        that prompts arriving close together prefill in one step."""
+        free = self.max_num_seqs - len(self.running)
+        if not self.waiting or free <= 0:
+            return False
+        if not self.prefill_wait_s or not self.running or len(self.waiting) >= free:
+            return True
+        return time.monotonic() - self.waiting[0].t_submit >= self.prefill_wait_s
+
+    def schedule_ahead(self, prev: list[Chunk], sampled: list[bool]) -> list[Chunk] | None:
+        """The decode step after `prev` for the sequences it sampled, queued before prev is read
+        (their input tokens are prev's samples, on the device); None when the scheduler must see
+        prev's tokens first (a prompt in progress, prompts to admit, the pool dry)."""
+        if not all(f or (c.ahead and c.last_input) for c, f in zip(prev, sampled)):
+            return None
+        if self.admit_now():
+            return None
+        chunks, grow = [], []
+        bs = self.pool.block_size
+        for c in prev:
+            seq = c.seq
+            if seq.status is not Status.RUNNING or seq.finish_reason is not None:
+                continue  # NOTE: cancelled, or its end decided (only a row-only step is left)
+            last = seq.ends_at(seq.num_tokens + 1)  # NOTE: with prev's sample, not read yet
+            if last and not wants_final_row(seq):
+                continue
+            # NOTE: a row-only chunk ends its sequence, the others go on ahead (bench/README.md#async-scheduling)
+            chunks.append(Chunk(seq, c.end, 1, ahead=True, last_input=last))
+            if len(seq.block_table) * bs <= c.end:  # NOTE: its blocks hold positions < c.end
+                grow.append(seq)
+        if not chunks or not self.pool.can_allocate(len(grow)):
+            return None  # NOTE: schedule() preempts when the pool runs dry
+        for seq in grow:
+            seq.block_table += self.pool.allocate(1)
+        return chunks
+
+    def schedule(self) -> list[Chunk]:
+        """This step's chunks; waiting sequences are admitted when admit_now()."""
+        admit = self.admit_now()
         chunks: list[Chunk] = []
         budget = self.max_num_batched_tokens
         running = sorted(self.running, key=lambda s: s.arrival)
@@ -99,8 +116,7 @@ class Scheduler:
         return chunks
 
     def _reuses_cache(self, seq: Sequence) -> bool:
-        # NOTE: full mode needs every prompt row, so its prompt is computed whatever is cached
-        return self.pool.enable_caching and seq.hidden_mode != HiddenStatesMode.FULL
+        return self.pool.enable_caching and not covers_every_prompt_row(seq)
 
     def _usable_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of the blocks seq may take from the cache. NOTE: the last token is always
@@ -184,7 +200,8 @@ class Scheduler:
         self._forget_computing(seq)
         seq.block_table = []
         seq.num_computed = seq.num_registered = 0
-        seq.last_row = None  # NOTE: the recompute takes it again; a step's rows may sit on the GPU
+        if self._on_preempt is not None:
+            self._on_preempt(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

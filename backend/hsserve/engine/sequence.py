@@ -1,11 +1,10 @@
-"""Sequence: the engine's running state of one request (plain object; no tensors but hidden rows)."""
+"""Sequence: the engine's running state of one completion of a request (a plain object: token ids,
+status, block table and counters; its hidden rows are kept by hidden_rows.HiddenRows)."""
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-
-import torch
 
 from hsserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from hsserve.request import FinishReason, HiddenStatesMode, SamplingParams
@@ -42,6 +41,7 @@ class Sequence:
         detokenizer: IncrementalDetokenizer,
         sink,
         arrival: int,
+        max_num_tokens: int,
         group: SampleGroup | None = None,
     ):
         self.request_id = request_id
@@ -70,11 +70,7 @@ class Sequence:
         # hidden row is still to be computed" (one more forward without sampling).
         self.finish_reason: FinishReason | None = None
         self.num_tokens_sent = 0  # generated tokens already published
-        self.num_rows_sent = 0  # full mode: hidden rows already published (prompt rows first)
-        self.pending_rows: list[torch.Tensor] = []  # full mode: computed, not yet published
-        # NOTE: last mode: where the latest row is (executor.CapturedRows of its step, row
-        # index), cut out when published; O(hidden) per request
-        self.last_row = None
+        self.max_num_tokens = max_num_tokens  # prompt + max_tokens, within max_model_len
         # NOTE: text length (in self.stop.text) after each generated token not yet published,
         # so a delta's text is the text of the delta's own tokens.
         self.text_marks: deque[int] = deque()
@@ -95,11 +91,6 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
-    @property
-    def num_rows_done(self) -> int:
-        """Full mode: hidden rows produced so far (published + pending)."""
-        return self.num_rows_sent + sum(len(r) for r in self.pending_rows)
-
-    @property
-    def wants_rows(self) -> bool:
-        return self.hidden_mode != HiddenStatesMode.NONE
+    def ends_at(self, num_tokens: int) -> bool:
+        """With num_tokens tokens (prompt included) it has reached max_tokens or max_model_len."""
+        return num_tokens >= self.max_num_tokens

@@ -12,6 +12,7 @@ from hsserve.engine.block_pool import BlockPool
 from hsserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from hsserve.engine.cuda_graphs import DecodeGraphs
 from hsserve.engine.executor import Executor
+from hsserve.engine.hidden_rows import HiddenRows
 from hsserve.models.decoder import Decoder
 from hsserve.models.default_model import ensure_default_model
 from hsserve.models.loader import load_model
@@ -33,6 +34,7 @@ class EngineParts:
     max_model_len: int
     max_prompt_tokens: int
     captured_layers: tuple[int, ...]  # normalized 0..L
+    rows: HiddenRows
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,6 +109,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     pool = BlockPool(blocks, bs, enable_caching=config.enable_prefix_caching)
     log.info("model %s on %s (%s): %d KV blocks of %d tokens", folder, device, model.embed.dtype, blocks, bs)
     layers = captured_layers(config, spec)
+    rows = HiddenRows(getattr(torch, config.hidden_dtype))
     executor = Executor(model, kv_cache, bs, config.max_num_seqs)
     if config.enable_cuda_graph and executor.kernels:
         # NOTE: captured once for the ceiling and the captured layer set; never again
@@ -119,9 +122,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model=model,
         tokenizer=load_tokenizer(folder),
         pool=pool,
-        scheduler=Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens),
+        scheduler=Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens,
+                            config.prefill_wait_ms, on_preempt=rows.preempted),
         executor=executor,
         max_model_len=max_model_len,
         max_prompt_tokens=min(config.max_prompt_tokens or max_model_len, max_model_len),
         captured_layers=layers,
+        rows=rows,
     )

@@ -22,6 +22,18 @@ class EngineStats:
         self.itl = deque(maxlen=_MAX_PENDING)  # seconds between consecutive tokens of a sequence
         self.latency = deque(maxlen=_MAX_PENDING)  # seconds: submit -> request done
 
+    def snapshot(self, scheduler, pool, graph_captures: int) -> EngineSnapshot:
+        """Gauges and running totals now, and the latencies observed since the last snapshot
+        (drained: one reader)."""
+        return EngineSnapshot(
+            running=len(scheduler.running), waiting=len(scheduler.waiting),
+            blocks_used=pool.num_used, blocks_total=pool.num_blocks, blocks_cached=pool.num_cached,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            query_tokens=pool.num_query_tokens, hit_tokens=pool.num_hit_tokens,
+            graph_captures=graph_captures, ttft=self.drain(self.ttft), itl=self.drain(self.itl),
+            latency=self.drain(self.latency),
+        )
+
     @staticmethod
     def now() -> float:
         return time.monotonic()

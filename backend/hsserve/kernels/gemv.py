@@ -1,8 +1,8 @@
 """y = x W^T for a few rows (decode at small batch), chained by programmatic dependent launch.
 
 At one row a decode step is a chain of matrix-vector products, each reading its weight once. A
-single product of 8-34 MB cannot fill the memory system on its own (cuBLAS: 6 us for the 1B
-shape's 8 MB o_proj, a third of the bandwidth), and every kernel boundary drains it. Here each
+single product of 8-34 MB cannot fill the memory system on its own (cuBLAS reaches a third of
+the bandwidth on the 1B shape's o_proj), and every kernel boundary drains it. Here each
 program loads its slab of W (BLOCK_N whole rows, ~32 KB) before it waits for the previous kernel
 (griddepcontrol.wait), and lets the next kernel launch at once (griddepcontrol.launch_dependents):
 with PDL on, the next product's weights stream in while this one finishes, as in one persistent
@@ -29,12 +29,9 @@ import triton.language as tl
 
 from hsserve.kernels.pdl import pdl_enter, pdl_on
 
-MAX_ROWS = 1  # NOTE: at 4 rows the 1B layer's GEMVs took 65 us against cuBLAS's 45 (H200)
-# NOTE: W bytes per program; H200, 1B shape, batch-1 graph (bench/gpu_ablation.py): 32 KB 17-25 us
-# a step faster than 16 KB, 64 KB 100 us slower
-_SLAB_BYTES = 32 << 10
-# NOTE: the weights stream through L2 once a step: marked first to go, they leave the rest of
-# L2 alone (H200, 1B batch-1 graph, bench/gpu_ablation.py: -19 to -22 us a step)
+MAX_ROWS = 1  # NOTE: above one row cuBLAS wins (bench/README.md#gemv-slabs-and-pdl)
+_SLAB_BYTES = 32 << 10  # NOTE: W bytes per program (bench/README.md#gemv-slabs-and-pdl)
+# NOTE: streamed through L2 once a step, the weights go first (bench/README.md#gemv-evict-first)
 _W_POLICY = "evict_first"
 _MAX_ROW_BYTES = 32 << 10  # NOTE: one whole row of W per program at least; above this, cuBLAS
 

@@ -21,7 +21,7 @@ def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
 def _gather(flat: torch.Tensor, index: torch.Tensor, half: int) -> torch.Tensor:
     """Rows `index` of the keys then of the values, where flat = keys ++ values (`half` rows each).
 
-    NOTE: one index_select along dim 0 measured 2.6x faster than one along dim 1 of [2, ...]."""
+    NOTE: one index_select along dim 0 (faster than one along dim 1 of [2, ...])."""
     return flat.index_select(0, torch.cat((index, index + half)))
 
 
@@ -40,8 +40,7 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     if batch.decode_rows is not None:
         n = len(batch.decode_rows)
-        # NOTE: gather whole blocks of keys and values in one call; index_select measured 2.5x
-        # faster than [] here
+        # NOTE: gather whole blocks of keys and values in one index_select (faster than [])
         gathered = _gather(kv.flatten(0, 1), batch.decode_block_tables.view(-1), kv.shape[1])
         gathered = gathered.view(2, n, -1, kv_heads, head_dim).transpose(2, 3)
         k, v = gathered[0], gathered[1]

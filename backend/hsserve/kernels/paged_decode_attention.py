@@ -8,12 +8,11 @@
   head of the KV head's group at once (GQA: the group's heads share each K/V load), 64 keys (whole
   pages) per loop step (one page per step left the kernel waiting on memory at batch 64); the
   last split of a (sequence, KV head) to finish, counted on an atomic counter, merges them, four
-  splits per load (a merge kernel had cost ~1.5 us a layer at batch 1); with one split (a batch
+  splits per load (no merge kernel: bench/README.md#decode-attention-splits); with one split (a batch
   that fills the GPU) the program writes the output itself. A split takes one tile at least, so a
   short context runs on fewer splits (one: no merge); under PDL (batch 1) a split reads its first
   tile's older keys before it waits for the previous kernel, then only q and the query's own key
-  and value (H200, 1B shape: in the step the attention costs its latency, not its bandwidth or
-  program count; bench/gpu_ablation.py). A sequence of length 0 (padding) yields zeros.
+  and value (in the step the attention costs its latency, not its bandwidth). A sequence of length 0 (padding) yields zeros.
 
 The torch reference (paged_attention_ref.py) is the oracle in tests.
 """
@@ -72,15 +71,9 @@ def _decode_split_kernel(
     stride_tb,
     stride_ab, stride_ah, stride_as,
     stride_sb, stride_sh, stride_ss,
-    NUM_SPLITS: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGES: tl.constexpr,
-    IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -89,18 +82,10 @@ def _decode_split_kernel(
     # this step's first kernel: read before the wait (PDL), so that only q and the query's own
     # key and value are read after the previous kernel is done
     seq_len = tl.load(LENS + b)
-    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
-    # NOTE: a split takes one tile at least (a short context: fewer splits, each read before
-    # the wait), so a context within one tile is the first split's alone and needs no merge
-    per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), PAGES)
-    active = tl.maximum(tl.cdiv(num_pages, per_split), 1)  # NOTE: splits with pages (merged)
+    first, last, active = _pages_of_split(seq_len, split, window, NUM_SPLITS, PAGES, BLOCK_SIZE)
     single = active == 1
     if split >= active:
         return  # NOTE: no pages: nothing to read, merge or wait for (ends at once; PDL allows it)
-    first = split * per_split
-    last = tl.minimum(first + per_split, num_pages)
-    if window > 0:  # NOTE: pages wholly outside the sliding window are skipped
-        first = tl.maximum(first, (seq_len - window) // BLOCK_SIZE)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -111,18 +96,10 @@ def _decode_split_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     start = first
-    if PDL:  # NOTE: the first tile's older keys are read before the wait (only with PDL does
-        # anything run before the previous kernel is done); the loop after it, as without PDL
-        keys, visible, base = _tile(first, last, pos, window, n, b, kvh, TABLES, KV, stride_tb,
-                                    stride_block, stride_tok, stride_head, BLOCK_SIZE)
-        old = (visible & (keys < pos))[:, None]
-        k = tl.load(base[:, None] + d[None, :], mask=old, other=0.0)
-        v = tl.load(base[:, None] + stride_half + d[None, :], mask=old, other=0.0)
-        pdl_enter(PDL)
-        own = (visible & (keys == pos))[:, None]
-        k = tl.where(own, tl.load(base[:, None] + d[None, :], mask=own, other=0.0), k)
-        v = tl.where(own, tl.load(base[:, None] + stride_half + d[None, :], mask=own, other=0.0),
-                     v)
+    if PDL:  # NOTE: only with PDL does anything run before the previous kernel is done
+        k, v, visible = _first_tile_around_wait(first, last, pos, window, n, d, b, kvh, TABLES,
+                                                KV, stride_tb, stride_block, stride_tok,
+                                                stride_head, stride_half, BLOCK_SIZE, PDL)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=(g < GROUP)[:, None], other=0.0)
     if PDL:
@@ -142,6 +119,41 @@ def _decode_split_kernel(
         _write_and_merge(ACC, STATS, OUT, COUNTERS, acc, m, l, b, kvh, split, active, heads,
                          g < GROUP, d, stride_ab, stride_ah, stride_as, stride_sb, stride_sh,
                          stride_ss, stride_ob, stride_oh, MERGE_CHUNK)
+
+
+@triton.jit
+def _pages_of_split(seq_len, split, window, NUM_SPLITS: tl.constexpr, PAGES: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr):
+    """This split's pages [first, last) and the number of splits with pages. A split takes one
+    tile at least (a short context: fewer splits, each read before the wait), so a context
+    within one tile is the first split's alone and needs no merge; pages wholly outside the
+    sliding window are skipped."""
+    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
+    per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), PAGES)
+    active = tl.maximum(tl.cdiv(num_pages, per_split), 1)
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_pages)
+    if window > 0:
+        first = tl.maximum(first, (seq_len - window) // BLOCK_SIZE)
+    return first, last, active
+
+
+@triton.jit
+def _first_tile_around_wait(first, last, pos, window, n, d, b, kvh, TABLES, KV, stride_tb,
+                            stride_block, stride_tok, stride_head, stride_half,
+                            BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+    """The first tile's k, v: the older keys read before the wait for the previous kernel, the
+    query's own key and value (written by it) after."""
+    keys, visible, base = _tile(first, last, pos, window, n, b, kvh, TABLES, KV, stride_tb,
+                                stride_block, stride_tok, stride_head, BLOCK_SIZE)
+    old = (visible & (keys < pos))[:, None]
+    k = tl.load(base[:, None] + d[None, :], mask=old, other=0.0)
+    v = tl.load(base[:, None] + stride_half + d[None, :], mask=old, other=0.0)
+    pdl_enter(PDL)
+    own = (visible & (keys == pos))[:, None]
+    k = tl.where(own, tl.load(base[:, None] + d[None, :], mask=own, other=0.0), k)
+    v = tl.where(own, tl.load(base[:, None] + stride_half + d[None, :], mask=own, other=0.0), v)
+    return k, v, visible
 
 
 @triton.jit
@@ -186,8 +198,8 @@ def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, like_m, like_acc, stride_
                   CHUNK: tl.constexpr):
     """out = sum over splits of acc * exp(m - max m) / sum of l * exp(m - max m), for the
     group's heads (rows) at once, CHUNK splits at a time with a running max: a short context's
-    few splits in one load (the merging program is on the step's critical path: one split at a
-    time, or all 16 padded at once, cost 15-20 us a batch-1 step on the H200); a split that saw
+    few splits in one load (the merging program is on the step's critical path:
+    bench/README.md#decode-attention-splits); a split that saw
     no key has m = -inf and weighs nothing. like_m / like_acc: tensors of the running stats' /
     output's shape."""
     c = tl.arange(0, CHUNK)
@@ -214,14 +226,8 @@ def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, like_m, like_acc, stride_
              o.to(OUT.dtype.element_ty), mask=valid[:, None])
 
 
-# NOTE: (keys per loop step of a split (whole pages), num_warps, num_stages), without and with PDL;
-# H200, 1B shape, 192 keys, 16 layers' caches in a graph (bench/attention_tune.py): batch 64 at
-# 64 keys / 4 warps 10.4-10.8 us for 2-4 stages (32 or 128 keys, 2 or 8 warps: 11.5-16); at 1024
-# keys 128 keys a step was 7% faster. Batch 1 (PDL): in the step's graph (bench/gpu_ablation.py,
-# 256 keys, GEMV weights evict_first) 128 keys / 8 warps / 1 stage 5-12 us a step faster than
-# 64 / 4 / 3; alone 3.5 / 8.8 / 33.1 us at 256 / 4096 / 32768 keys against 3.5 / 11.5 / 40.4.
-# Heads of 128 (8B shape) keep 64 / 4 / 3 (one call: 3.958 / 3.975 ms a step vs 4.052 with
-# 128 / 8 / 1). Keeping the keys and values evict_last in L2 gained nothing (-1.5 / +4.8 us)
+# NOTE: (keys per loop step of a split (whole pages), num_warps, num_stages), without and with
+# PDL, by head size (bench/README.md#decode-attention-config)
 _CONFIG = (64, 4, 3)
 _PDL_CONFIG = {64: (128, 8, 1)}  # NOTE: head_dim -> config; others: _CONFIG
 _MERGE_CHUNK = 4  # NOTE: splits merged per load (see _merge_splits)

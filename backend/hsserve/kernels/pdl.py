@@ -19,9 +19,7 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-# NOTE: the step's row count; H200, 1B shape: batch 1 0.843 ms with PDL vs 0.909 without, batch 64
-# 1.306 vs 1.270 (its GEMMs are cuBLAS's, outside the chain)
-_MAX_ROWS = 1
+_MAX_ROWS = 1  # NOTE: the step's row count; above it PDL gains nothing (bench/README.md#gemv-slabs-and-pdl)
 
 
 def pdl_on(t: torch.Tensor) -> bool:

@@ -2,17 +2,14 @@
 
 On x86 CPUs torch's default fp32 GEMM goes through MKL, which runs small-M products (decode
 batches) far below the core's FMA rate; oneDNN's packed-weight linear (the op torch's own
-compiler uses for frozen CPU graphs) measured 1.6-2x faster at M = 2..32 on AMD and Intel 2-core
-machines. The packed copy replaces the dense weight; the torch fallback (F.linear) is used
+compiler uses for frozen CPU graphs) is faster at M = 2..32 (bench/README.md#cpu-mkl-packed-linears). The packed copy replaces the dense weight; the torch fallback (F.linear) is used
 elsewhere and as the oracle. One row (batch-1 decode) is a matrix-vector product, where MKL's
-GEMV is the faster one on Intel CPUs (2-core Xeon, AVX-512: 20-40% on the default model's layer
-shapes) and the slower one on AMD (where MKL takes generic paths): on Intel, for models whose
+GEMV is the faster one on Intel CPUs and the slower one on AMD (where MKL takes generic paths): on Intel, for models whose
 linears are small enough to hold twice, the dense weight stays for one-row inputs. Decided by
 the CPU's vendor, never by timing, so that every process on a machine computes the same bits
 (the server's engine and a client's reference engine are compared exactly in the tests).
-MKL also packs a weight for one row count: on the same Intel machine at 32 rows its packed
-product ran 1.3-1.4x faster than oneDNN's on the default model's layer shapes (and falls back
-to the dense product at any other row count), so on Intel, for small models (its packed copy
+MKL also packs a weight for one row count (at 32 rows on Intel faster than oneDNN's; any other
+row count falls back to the dense product), so on Intel, for small models (its packed copy
 takes 2-9x the weight), 17-32-row inputs are padded to 32 rows and take it.
 On CUDA a few rows (decode at small batch) go through our GEMV kernel (kernels/gemv.py), which
 beats cuBLAS there; more rows through cuBLAS.
@@ -26,13 +23,11 @@ from torch import nn
 
 from hsserve.kernels.gemv import gemv, gemv_fits
 
-_PACK_BATCH_HINT = 32  # NOTE: measured best across M = 1..2048 on a 2-core AVX2 machine
+_PACK_BATCH_HINT = 32  # NOTE: best across M = 1..2048 (bench/README.md#cpu-mkl-packed-linears)
 # NOTE: the dense copy doubles the linears' memory: kept only up to this many bytes of them
 _KEEP_DENSE_MAX_BYTES = 2 << 30
-# NOTE: MKL's packed weight serves inputs of _MKL_MIN_ROWS.._MKL_ROWS rows (padded to _MKL_ROWS);
-# 2-core Xeon, default model's shapes at 32 rows: 255-1063 us against oneDNN's 366-1411; at
-# 16 rows oneDNN's 684 us beat MKL padded to 32 (1043) on gate_up. Only for models whose linears
-# take at most _MKL_PACK_MAX_BYTES (the packed copies take 2-9x the weights: ~2 GB for 135M)
+# NOTE: MKL's packed weight serves inputs of _MKL_MIN_ROWS.._MKL_ROWS rows (padded to _MKL_ROWS),
+# only for models whose linears take at most _MKL_PACK_MAX_BYTES (the copies take 2-9x the weights)
 _MKL_ROWS = 32
 _MKL_MIN_ROWS = 17
 _MKL_PACK_MAX_BYTES = 1 << 30

@@ -180,14 +180,13 @@ def parse_request(
         ignore_eos=values.get("ignore_eos", False),
         n=values.get("n", 1),
     )
-    mode = HiddenStatesMode.parse(values.get("MODE", "none"))
     return ParsedRequest(
         GenerationRequest(
             request_id=request_id,
             prompt=prompt,
             prompt_ids=prompt_ids,
             sampling=sampling,
-            hidden_mode=mode,
+            hidden_mode=values.get("MODE", HiddenStatesMode.NONE),
             hidden_layers=values.get("hidden_layers", (-1,)),
         ),
         stream=values.get("stream", False),

@@ -1,0 +1,235 @@
+"""Hidden rows: the one owner of which rows leave the device, when, and for whom (MODE).
+
+- `HiddenRows.plan` (one call per step, for the eager and the graph path alike) says which token
+  rows of each chunk are captured: full: every row not yet produced; last: the row of a chunk
+  whose token may be the sequence's last (known to be, or queued ahead, when it is read later).
+- `StepRows` is one step's captured rows; a sequence's are cut out in the output dtype, once.
+- A `RowLedger` per sequence holds what was captured and not published (full: rows; last: where
+  the latest row is) and how many rows went out; a delta carries the rows of its own tokens, and
+  in last mode the final delta carries the one row.
+The scheduler and the outputs ask wants_final_row / covers_every_prompt_row. Index convention: transformers' hidden_states[k] (models/hidden_capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hsserve.engine.sequence import Sequence
+from hsserve.engine.transfer import download, fetch
+from hsserve.engine.types import Chunk, Launched
+from hsserve.request import HiddenStatesMode
+
+_NONE, _LAST, _FULL = HiddenStatesMode.NONE, HiddenStatesMode.LAST, HiddenStatesMode.FULL
+_NO_ROWS = range(0)
+
+
+def wants_final_row(seq: Sequence) -> bool:
+    """Once its end is decided, the sequence runs one more (row-only) chunk: its last token's
+    row (last and full modes)."""
+    return seq.hidden_mode is not _NONE
+
+
+def covers_every_prompt_row(seq: Sequence) -> bool:
+    """Full mode returns a row per prompt token: none may come from the prefix cache."""
+    return seq.hidden_mode is _FULL
+
+
+@dataclass(slots=True)
+class RowPlan:
+    """One step's capture plan: per chunk, its token positions captured and (first, count) of
+    its rows in the step's block; the layers asked for (ascending)."""
+
+    positions: list[range]
+    slices: list[tuple[int, int]]
+    layers: list[int]
+    last_only: bool  # every captured row is MODE=last: the block may stay on the device
+
+    @property
+    def num_rows(self) -> int:
+        return sum(n for _, n in self.slices)
+
+
+@dataclass(slots=True)
+class RowLedger:
+    num_sent: int = 0  # full: rows published
+    num_done: int = 0  # full: rows captured (published or pending)
+    pending: list[torch.Tensor] = field(default_factory=list)  # full: captured, not published
+    last: tuple[StepRows, int] | None = None  # last: the latest row (its step's rows, index)
+
+
+class StepRows:
+    """One step's rows [rows, len(layers), hidden] in the model's dtype: on the host, or (all
+    MODE=last, `stream` given) left on the device and copied out only if a row is taken; `live`:
+    they are the decode graphs' static buffer, which the next replay rewrites (see settle)."""
+
+    def __init__(self, block: torch.Tensor, layers: list[int],
+                 stream: torch.cuda.Stream | None = None, live: bool = False):
+        self.block: torch.Tensor | None = block
+        self.layers = layers
+        self._column = {k: i for i, k in enumerate(layers)}
+        self._stream = stream
+        self.live = live
+        self._ready: torch.cuda.Event | None = None  # NOTE: set while a settle copy is queued
+        self._np: np.ndarray | None = None
+
+    def settle(self, needed: bool) -> None:
+        """Live rows, before the next replay is queued: a host copy queued ahead of it when
+        `needed`, else dropped."""
+        if needed and self.block.is_cuda:
+            self.block = download(self.block)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        elif needed:
+            self.block = self.block.clone()
+        else:
+            self.block = None
+        self._stream, self.live = None, False
+
+    def take(self, first: int, count: int, wanted: tuple[int, ...],
+             dtype: torch.dtype) -> torch.Tensor:
+        """Rows first..first+count-1 of the layers `wanted` (in that order) as a new host tensor
+        [count, len(wanted) * hidden] of `dtype`. Called once the step completed."""
+        if self.block is None:
+            raise RuntimeError("hidden rows taken after they were dropped")
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        if self._stream is not None:  # NOTE: a device block comes to the host once, when first used
+            self.block, self._stream, self.live = fetch(self.block, self._stream), None, False
+        if self._np is None:  # NOTE: numpy views: a take is several times cheaper than torch's
+            b = self.block
+            bf16 = b.dtype == torch.bfloat16
+            self._np = b.view(torch.int16).numpy().view(np.uint16) if bf16 else b.numpy()
+        rows = self._np[first : first + count]
+        if list(wanted) != self.layers:
+            rows = rows[:, [self._column[k] for k in wanted]]
+        return _to_dtype(rows.reshape(count, -1), self.block.dtype, dtype)
+
+
+def _to_dtype(rows: np.ndarray, src: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """A copy (never a view of the step's block) of host rows in `dtype`."""
+    if src == torch.bfloat16:  # NOTE: rows are bfloat16 bits, the high half of a float32
+        if dtype == torch.bfloat16:
+            return torch.from_numpy(rows.copy()).view(torch.bfloat16)
+        wide = rows.astype(np.uint32)
+        wide <<= 16
+        out = torch.from_numpy(wide.view(np.float32))
+        return out if dtype == torch.float32 else out.to(dtype)
+    out = torch.from_numpy(rows)
+    return out.clone() if out.dtype == dtype else out.to(dtype)
+
+
+class HiddenRows:
+    def __init__(self, dtype: torch.dtype):
+        """dtype: what the rows are handed out in (the output's, converted once)."""
+        self.dtype = dtype
+        self._ledgers: dict[Sequence, RowLedger] = {}
+        self._live: Launched | None = None  # NOTE: the last graph step whose rows are live
+
+    def __len__(self) -> int:
+        """Sequences whose rows are held (none once every request has ended)."""
+        return len(self._ledgers)
+
+    # ---- per step ---------------------------------------------------------------------------
+
+    def plan(self, chunks: list[Chunk]) -> RowPlan | None:
+        """Which rows of this step leave the device; None when none do."""
+        positions, slices, layers, last_only, n = [], [], set(), True, 0
+        for c in chunks:
+            seq = c.seq
+            mode = seq.hidden_mode
+            if mode is _NONE:
+                wanted = _NO_ROWS
+            elif mode is _LAST:
+                wanted = range(c.end - 1, c.end) if c.ahead or (
+                    c.completes and seq.finish_reason is not None) else _NO_ROWS
+            else:  # NOTE: after a preemption rows already produced are recomputed, not resent
+                wanted = range(max(c.start, self._ledger(seq).num_done), c.end)
+            positions.append(wanted)
+            slices.append((n, len(wanted)))
+            if wanted:
+                n += len(wanted)
+                layers.update(seq.hidden_layers)
+                last_only = last_only and mode is _LAST
+        if not n:
+            return None
+        return RowPlan(positions, slices, sorted(layers), last_only)
+
+    def launched(self, step: Launched) -> None:
+        if step.rows is not None and step.rows.live:
+            self._live = step
+
+    def settle(self) -> None:
+        """Before the next step is queued: the last graph step's live rows are copied out when a
+        row ends its sequence (its end decided, or known by length), else dropped. Rows are only
+        taken while their own step is processed, after its sequences' previous step was."""
+        step, self._live = self._live, None
+        if step is not None and step.rows.live:
+            ends = any(n and (c.last_input or c.seq.finish_reason is not None)
+                       for c, (_, n) in zip(step.chunks, step.plan.slices))
+            step.rows.settle(ends)
+
+    def record(self, step: Launched, i: int) -> None:
+        """Chunk i of a completed step: its captured rows go to its sequence's ledger."""
+        first, count = step.plan.slices[i] if step.plan is not None else (0, 0)
+        if not count:
+            return
+        seq = step.chunks[i].seq
+        ledger = self._ledger(seq)
+        if seq.hidden_mode is _FULL:
+            ledger.pending.append(step.rows.take(first, count, seq.hidden_layers, self.dtype))
+            ledger.num_done += count
+        else:
+            ledger.last = (step.rows, first)
+
+    def processed(self, step: Launched) -> None:
+        """The step is done with: rows of it still live are not wanted (nothing stays held)."""
+        if self._live is step:
+            self._live = None
+            step.rows.settle(False)
+
+    # ---- per sequence -----------------------------------------------------------------------
+
+    def tokens_ready(self, seq: Sequence, num_generated: int, final: bool) -> int:
+        """How many of seq's generated tokens may be published now: full: those whose rows are
+        captured; last: the last token waits for its row, which goes out in the final delta."""
+        mode = seq.hidden_mode
+        if final or mode is _NONE:
+            return num_generated
+        if mode is _FULL:
+            return min(num_generated, self._ledger(seq).num_done - seq.num_prompt_tokens)
+        return num_generated - (seq.finish_reason is not None)
+
+    def take(self, seq: Sequence, final: bool) -> torch.Tensor | None:
+        """The rows to publish with seq's next delta (full: all pending; last: the final row)."""
+        ledger = self._ledgers.get(seq)
+        if ledger is None:
+            return None
+        if seq.hidden_mode is _FULL and ledger.pending:
+            rows = torch.cat(ledger.pending) if len(ledger.pending) > 1 else ledger.pending[0]
+            ledger.pending = []
+            ledger.num_sent += len(rows)
+            return rows
+        if final and ledger.last is not None:
+            rows, first = ledger.last
+            ledger.last = None
+            return rows.take(first, 1, seq.hidden_layers, self.dtype)
+        return None
+
+    def preempted(self, seq: Sequence) -> None:
+        """Its recompute captures the last row again; a kept one may hold a step's device rows."""
+        ledger = self._ledgers.get(seq)
+        if ledger is not None:
+            ledger.last = None
+
+    def forget(self, seq: Sequence) -> None:
+        self._ledgers.pop(seq, None)
+
+    def _ledger(self, seq: Sequence) -> RowLedger:
+        ledger = self._ledgers.get(seq)
+        if ledger is None:
+            ledger = self._ledgers[seq] = RowLedger()
+        return ledger

@@ -1,0 +1,107 @@
+"""Outputs: what a completed step means for its sequences (tokens appended, stop and length
+checks, rows recorded, sequences finished) and the deltas published to each request's sink."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from hsserve.engine.hidden_rows import HiddenRows, wants_final_row
+from hsserve.engine.scheduler import Scheduler
+from hsserve.engine.sequence import Sequence, Status
+from hsserve.engine.stats import EngineStats
+from hsserve.engine.types import Launched
+from hsserve.request import Delta, FinishReason
+
+log = logging.getLogger(__name__)
+
+
+class Outputs:
+    def __init__(self, scheduler: Scheduler, rows: HiddenRows, stats: EngineStats,
+                 eos_ids: frozenset[int], on_request_done: Callable[[str], None]):
+        self.scheduler, self.rows, self.stats = scheduler, rows, stats
+        self.eos_ids = eos_ids
+        self._on_request_done = on_request_done
+
+    def process(self, step: Launched, tokens: list[int | None]) -> None:
+        """A completed step's tokens (None where none was sampled) and rows, per chunk."""
+        for i, c in enumerate(step.chunks):
+            seq = c.seq
+            if seq.status is Status.FINISHED:
+                continue  # NOTE: stopped or cancelled while this step ran ahead
+            decided = seq.finish_reason is not None  # NOTE: a sample after the end is void
+            seq.num_computed = c.end
+            self.scheduler.cache_computed(seq)
+            self.rows.record(step, i)
+            token = None if decided else tokens[i]
+            if token is not None:
+                self._append(seq, token)
+            if seq.finish_reason is not None and (
+                    not wants_final_row(seq) or (c.completes and token is None)):
+                self.finish(seq)
+            else:
+                self.publish(seq, final=False)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        now = EngineStats.now()
+        self.stats.generation_tokens += 1
+        (self.stats.ttft if seq.num_generated == 1 else self.stats.itl).append(now - seq.t_last)
+        seq.t_last = now
+        sp = seq.sampling
+        stopped = False
+        if seq.detokenizer is not None:
+            stopped = seq.stop.feed(seq.detokenizer.add(token))
+        seq.text_marks.append(len(seq.stop.text))
+        if stopped or token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
+            seq.finish_reason = FinishReason.STOP
+        elif seq.ends_at(seq.num_tokens):
+            seq.finish_reason = FinishReason.LENGTH
+
+    def publish(self, seq: Sequence, final: bool) -> None:
+        """Send what is ready: tokens (with their rows) and their text."""
+        p = seq.num_prompt_tokens  # NOTE: slices token_ids once (output_ids would copy them all)
+        generated = len(seq.token_ids) - p
+        ready = self.rows.tokens_ready(seq, generated, final)
+        new = ready - seq.num_tokens_sent
+        if new <= 0 and not final:
+            return
+        tokens = seq.token_ids[p + seq.num_tokens_sent : p + ready]
+        if final and seq.detokenizer is not None and not seq.stop.hit:
+            seq.stop.text += seq.detokenizer.flush()
+        upto = 0
+        for _ in range(max(new, 0)):
+            upto = seq.text_marks.popleft()
+        text = seq.stop.release(upto, final)
+        seq.num_tokens_sent = ready
+        self._send(seq, Delta(
+            request_id=seq.request_id, token_ids=tokens, text=text,
+            hidden=self.rows.take(seq, final),
+            finish_reason=seq.finish_reason if final else None,
+            num_input_tokens=p, num_output_tokens=generated,
+            sequence_index=seq.index, request_done=final and seq.group.done,
+        ))
+
+    def finish(self, seq: Sequence, publish_rest: bool = True, error: str | None = None) -> None:
+        """Free the sequence's blocks and send its final delta (the rest of its output, or
+        nothing more when cancelled or failed)."""
+        self.scheduler.finish(seq)
+        seq.group.num_finished += 1
+        if seq.group.done:
+            self.stats.latency.append(EngineStats.now() - seq.t_submit)
+            self._on_request_done(seq.request_id)
+        if publish_rest:
+            self.publish(seq, final=True)
+        else:
+            self._send(seq, Delta(
+                seq.request_id, [], "", finish_reason=seq.finish_reason,
+                num_input_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_tokens_sent,
+                error=error, sequence_index=seq.index, request_done=seq.group.done,
+            ))
+        self.rows.forget(seq)
+
+    def _send(self, seq: Sequence, delta: Delta) -> None:
+        try:
+            seq.sink(delta)
+        except Exception:  # NOTE: a broken sink must not stop the loop
+            log.exception("sink of request %s failed", seq.request_id)

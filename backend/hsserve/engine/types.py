@@ -1,0 +1,55 @@
+"""What the scheduler, the executor and the loop hand each other: a step's chunks, the step as
+launched on the device, and what it produced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hsserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from hsserve.engine.hidden_rows import RowPlan, StepRows
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Compute K/V (and rows) for the tokens at positions start..start + num_tokens - 1 this step
+    (seq.token_ids[start:end]; for a chunk queued ahead, the one token is still on the device)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    # NOTE: queued ahead: before the previous step was read, so its one input token is that
+    # step's sample, still on the device (start == seq.num_tokens when queued)
+    ahead: bool = False
+    last_input: bool = False  # ahead: that token is the sequence's last by length, so no sample
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the last known token of the sequence."""
+        return self.end == self.seq.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        if self.ahead:
+            return not self.last_input and self.seq.finish_reason is None
+        return self.completes and self.seq.finish_reason is None
+
+
+@dataclass
+class Launched:
+    """A step queued on the device whose results have not been read."""
+
+    chunks: list[Chunk]
+    sampled: list[bool]  # per chunk: a token was sampled (decided at launch)
+    tokens: torch.Tensor | None  # host copy of the samples, one per sampling chunk
+    rows: StepRows | None  # the rows that leave the device
+    plan: RowPlan | None  # which rows of which chunk they are
+    done: torch.cuda.Event | None  # recorded after the copies (CUDA)
