@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import write_result  # noqa: E402
 
 from hsserve import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from hsserve.engine_setup import model_folder  # noqa: E402
+from hsserve.engine.setup import model_folder  # noqa: E402
 
 
 def prompts(batch: int, length: int, vocab: int, repeat: int = 0) -> list[list[int]]:

@@ -9,7 +9,11 @@ MODE costs at batch 64: MODE=last vs none, and MODE=none on a server whose ceili
 whose ceiling is none. steady_step_ms: the step in the middle of a run (output tokens 16 to 112),
 without the start, and without the end where MODE=last takes one more step for the last rows.
 
-    python bench/gpu_decode.py [--shapes llama-1b llama-8b] [--out bench/results/h200.json]
+    python bench/gpu_decode.py [--shapes llama-1b llama-8b] [--out FILE]
+
+Default --out: bench/results/h200_decode_<shapes>.json (h200_decode_1b.json, h200_decode_8b.json,
+h200_decode_1b_8b.json). bench/results/h200.json (the goals' summary) is assembled by hand from
+the standing decode and stream runs.
 """
 
 from __future__ import annotations
@@ -160,8 +164,11 @@ def main() -> None:
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--no-pdl", action="store_true", help="kernels without dependent launch (A/B)")
     ap.add_argument("--splits", type=int, help="decode attention splits at most (A/B)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "h200.json"))
+    ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if not args.out:
+        tags = "_".join(s.split("-")[1] for s in args.shapes)
+        args.out = os.path.join(os.path.dirname(__file__), "results", f"h200_decode_{tags}.json")
     if args.no_pdl:
         import hsserve.kernels.pdl as pdl
 

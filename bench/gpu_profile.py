@@ -110,8 +110,9 @@ def section_times(engine, batch: int, mode: HiddenStatesMode, runs: int = 3) -> 
     """Wall time per step of the loop's parts (perf_counter around each; ~1 us of its own): where
     the host's share of a step goes, without cProfile's overhead. Best of `runs` runs."""
     ex = engine.executor
-    parts = {"plan_ahead": (engine, "_plan_ahead"), "launch": (ex, "launch"),
-             "wait": (ex, "complete"), "postprocess": (engine, "_postprocess"),
+    parts = {"schedule_ahead": (engine.scheduler, "schedule_ahead"),
+             "plan_rows": (engine.rows, "plan"), "launch": (ex, "launch"),
+             "wait": (ex, "complete"), "outputs": (engine.outputs, "process"),
              "schedule": (engine.scheduler, "schedule")}
     best = None
     for r in range(runs):

@@ -2,7 +2,9 @@
 # Everything a GPU session measures, in one device call (carry [".whl/slim"], made by
 # bench/device_bundle.sh): the GPU tests, the tritonserver stream benchmark with the stub sampled
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
-#   bash bench/gpu_session.sh [tests|triton|triton_wait|decode|decode_sync|attn|l2|profile|host|decode1b|gemv|ablation ...]   (default: the first three)
+#   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
+# PART: tests triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
+# profile1 host none. The one-off A/B scripts' parts went with them to bench/archive/.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -29,8 +31,6 @@ for part in $parts; do
               --requests 1536 --new 256 --client-procs 8 --param prefill_wait_ms=${WAIT_MS:-10} \
               --out "$OUT/h200_triton_wait.json" 2>&1 | grep -v "^|" | tail -4
             pkill -9 triton_python_b ;;
-    attn) timeout 100 python3 bench/attention_splits.py --out "$OUT/h200_attention_splits.json" ;;
-    l2) timeout 120 python3 bench/l2_prefetch.py --out "$OUT/h200_l2_prefetch.json" ;;
     decode_sync) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \
               --repeats 3 --no-hf --async-scheduling off --out "$OUT/h200_decode_sync.json" 2>&1 | grep "^{" ;;
     profile) timeout 200 python3 bench/gpu_profile.py --batches 1 64 --top 16 2>&1 | grep -v "^\[W"
@@ -39,9 +39,8 @@ for part in $parts; do
             | grep -v "^\[W" | cut -c1-150 ;;
     decode1b) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \
               --repeats 4 --no-hf --out "$OUT/h200_decode_1b.json" 2>&1 | grep "^{\|Error" ;;
-    ablation) timeout 300 python3 bench/gpu_ablation.py --out "$OUT/h200_ablation.json" 2>&1 \
-                | grep -v "^\[W" | tail -12 ;;
-    gemv) timeout 240 python3 bench/gemv_pdl.py --out "$OUT/h200_gemv_pdl.json" 2>&1 | grep "^{\|Error\|error" ;;
+    decode8b) timeout 150 python3 bench/gpu_decode.py --shapes llama-8b --batches-8b 1 \
+              --repeats 4 --no-hf --out "$OUT/h200_decode_8b.json" 2>&1 | grep "^{\|Error" ;;
     decode_nopdl) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \
               --repeats 3 --no-hf --no-pdl --out "$OUT/h200_decode_nopdl.json" 2>&1 | grep "^{\|Error" ;;
     profile1) timeout 100 python3 bench/gpu_profile.py --batches 1 --top 24 2>&1 | grep -v "^\[W" ;;

@@ -26,7 +26,7 @@ import tritonclient.http as httpclient
 sys.path.insert(0, os.path.dirname(__file__))
 from common import write_result  # noqa: E402
 
-from hsserve.server import start_server  # noqa: E402
+from hsserve.triton.server import start_server  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "model_repository")
 OUTPUTS = ("text_output", "output_ids", "HIDDEN_STATES", "finish_reason", "num_input_tokens",

@@ -204,7 +204,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from common import write_result
 
-    from hsserve.server import start_server
+    from hsserve.triton.server import start_server
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1000)

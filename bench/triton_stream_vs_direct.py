@@ -2,7 +2,7 @@
 
 For concurrency 1 and 16 (default): tokens/s, TTFT p50/p99 and inter-token latency p50/p99, for
 the engine in this process (a consumer thread per request, or sinks), the engine in a child process
-as the adapter runs it (engine_process.py, sinks), and gRPC streams through tritonserver.
+as the adapter runs it (engine/process.py, sinks), and gRPC streams through tritonserver.
 Each request: a ~30-token prompt, 64 new tokens (EOS ignored), greedy, MODE=none. The engine
 runs first in this process and is shut down; then the server starts on the repository.
 --shape (GPU): a benchmark shape with random bf16 weights (bench/shapes.py) served from a copy of
@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "integ
 from common import write_result  # noqa: E402
 
 from hsserve import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from hsserve.engine_process import EngineProcess  # noqa: E402
-from hsserve.server import start_server  # noqa: E402
+from hsserve.engine.process import EngineProcess  # noqa: E402
+from hsserve.triton.server import start_server  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "model_repository")
 

@@ -94,3 +94,20 @@ def test_files_and_functions_stay_small():
                 if n > 60:
                     too_long.append(f"{m}.{node.name}: {n} lines")
     assert not too_long, too_long
+
+
+def test_every_bench_readme_anchor_cited_in_code_exists():
+    """Comments point into bench/README.md for the measurement behind a choice: each such
+    anchor is one of its headings (GitHub's slugs: lower case, spaces to dashes)."""
+    import re
+
+    readme = os.path.join(PACKAGE, "..", "..", "bench", "README.md")
+    headings = re.findall(r"^#+ (.+)$", open(readme).read(), flags=re.M)
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+    cited = {}
+    for m, path in modules().items():
+        for anchor in re.findall(r"bench/README\.md#([\w-]+)", open(path).read()):
+            cited.setdefault(anchor, m)
+    assert cited, "no comment points into bench/README.md"
+    missing = {a: m for a, m in cited.items() if a not in slugs}
+    assert not missing, missing

@@ -216,7 +216,7 @@ class Decoder(nn.Module):
         """The final norm of _layers' (x, residual), its rows captured."""
         x = self.norm(x, residual)[0] if residual is not None else self.norm(x)
         if capture is not None:
-            capture.take(len(self.layers), x)
+            capture.store(len(self.layers), x)
         return x
 
     def _layers(self, input_ids, positions, batch, kv_cache, capture):
@@ -231,20 +231,20 @@ class Decoder(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             rope = Rotary(emb.cos().to(x.dtype), emb.sin().to(x.dtype), fused=False)
         if capture is not None:
-            capture.take(0, x)
+            capture.store(0, x)
         last = len(self.layers)
         if self.folded:
             for i, layer in enumerate(self.layers):
                 x = layer.forward_folded(x, rope, batch, kv_cache[i])
                 if capture is not None and i + 1 < last and capture.wants(i + 1):
-                    capture.take(i + 1, x)  # NOTE: the stream is the layer's output
+                    capture.store(i + 1, x)  # NOTE: the stream is the layer's output
             return x, None
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, batch, kv_cache[i])
             if capture is not None and i + 1 < last and capture.wants(i + 1):
                 # NOTE: the layer's output, as the next norm sees it
-                capture.take(i + 1, residual + x)
+                capture.store(i + 1, residual + x)
         return x, residual
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

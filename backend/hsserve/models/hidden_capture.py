@@ -1,4 +1,5 @@
-"""HiddenCapture: copies chosen rows of the residual stream at chosen layers during a forward.
+"""HiddenCapture: the forward's layer tap, storing chosen rows of the residual stream at chosen
+layers as the decoder passes them (which rows and layers: engine/hidden_rows.py decides).
 
 Index convention is transformers' `hidden_states[k]`: k = 0 the embeddings, 1 <= k < L the
 output of layer k (the residual stream after its MLP add), k = L the final norm's output.
@@ -33,7 +34,8 @@ class HiddenCapture:
     def wants(self, k: int) -> bool:
         return k in self._column
 
-    def take(self, k: int, x: torch.Tensor) -> None:
+    def store(self, k: int, x: torch.Tensor) -> None:
+        """The rows of layer k's output x (every row of a graph's static batch, else self.rows)."""
         col = self._column.get(k)
         if col is not None:
             self.out[:, col] = x if self.rows is None else x[self.rows]

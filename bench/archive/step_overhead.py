@@ -25,7 +25,7 @@ from gpu_decode import engine_run, make_engine  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 from hsserve import HiddenStatesMode  # noqa: E402
-from hsserve.transfer import download  # noqa: E402
+from hsserve.engine.transfer import download  # noqa: E402
 
 
 @triton.jit

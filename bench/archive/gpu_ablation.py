@@ -30,7 +30,7 @@ from hsserve.kernels.pdl import pdl_enter, pdl_on  # noqa: E402
 from hsserve.kernels import gemv as gemv_module  # noqa: E402
 from hsserve.kernels import paged_decode_attention as pda  # noqa: E402
 from hsserve.models import decoder  # noqa: E402
-from hsserve import cuda_graphs  # noqa: E402
+from hsserve.engine import cuda_graphs  # noqa: E402
 from hsserve.kernels.elementwise import embed_rotary_ref  # noqa: E402
 
 _ATTEND = decoder.attend

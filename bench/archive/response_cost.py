@@ -22,7 +22,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backend"))
-from hsserve.server import start_server  # noqa: E402
+from hsserve.triton.server import start_server  # noqa: E402
 
 CONFIG = """name: "probe"
 backend: "python"
