@@ -185,8 +185,9 @@ class Executor:
             slot_mapping += self._slots(seq.block_table, c.start, c.end)
             if samples:
                 logit_rows.append(row + c.num_tokens - 1)
-            if plan is not None:
-                capture_rows += [row + p - c.start for p in plan.positions[i]]
+            if plan is not None and plan.slices[i][1]:  # NOTE: a chunk's rows are its last ones
+                first = row + c.num_tokens - plan.slices[i][1]
+                capture_rows += range(first, row + c.num_tokens)
             row += c.num_tokens
         dev = self.device
         batch = self._attention_batch(chunks, slot_mapping)
@@ -210,7 +211,7 @@ class Executor:
         g, dev = self.graphs, self.device
         sampling = [i for i, f in enumerate(sampled) if f]
         pick = upload(sampling, dev) if 0 < len(sampling) < len(chunks) else None
-        keep = [i for i, (_, n) in enumerate(plan.slices) if n] if plan is not None else []
+        keep = plan.with_rows if plan is not None else []
         keep_index = upload(keep, dev) if 0 < len(keep) < len(chunks) else None
         layers, cols = g.layers, None
         if keep and len(plan.layers) < len(layers):  # NOTE: only the layers asked for leave the GPU

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hsserve.engine.sequence import Sequence
+from hsserve.engine.sequence import Sequence, Status
 from hsserve.engine.transfer import download, fetch
 from hsserve.engine.types import Chunk, Launched
 from hsserve.request import HiddenStatesMode
 
 _NONE, _LAST, _FULL = HiddenStatesMode.NONE, HiddenStatesMode.LAST, HiddenStatesMode.FULL
-_NO_ROWS = range(0)
 
 
 def wants_final_row(seq: Sequence) -> bool:
@@ -39,17 +38,14 @@ def covers_every_prompt_row(seq: Sequence) -> bool:
 
 @dataclass(slots=True)
 class RowPlan:
-    """One step's capture plan: per chunk, its token positions captured and (first, count) of
-    its rows in the step's block; the layers asked for (ascending)."""
+    """One step's capture plan: per chunk (first, count) of its rows in the step's block (a
+    chunk's rows are always its last `count` tokens'), the chunks with rows, and the layers
+    asked for (ascending)."""
 
-    positions: list[range]
     slices: list[tuple[int, int]]
+    with_rows: list[int]
     layers: list[int]
     last_only: bool  # every captured row is MODE=last: the block may stay on the device
-
-    @property
-    def num_rows(self) -> int:
-        return sum(n for _, n in self.slices)
 
 
 @dataclass(slots=True)
@@ -137,26 +133,26 @@ class HiddenRows:
 
     def plan(self, chunks: list[Chunk]) -> RowPlan | None:
         """Which rows of this step leave the device; None when none do."""
-        positions, slices, layers, last_only, n = [], [], set(), True, 0
-        for c in chunks:
+        slices, with_rows, layer_sets, last_only, n = [], [], set(), True, 0
+        for i, c in enumerate(chunks):
             seq = c.seq
             mode = seq.hidden_mode
             if mode is _NONE:
-                wanted = _NO_ROWS
+                count = 0
             elif mode is _LAST:
-                wanted = range(c.end - 1, c.end) if c.ahead or (
-                    c.completes and seq.finish_reason is not None) else _NO_ROWS
+                count = 1 if c.ahead or (c.completes and seq.finish_reason is not None) else 0
             else:  # NOTE: after a preemption rows already produced are recomputed, not resent
-                wanted = range(max(c.start, self._ledger(seq).num_done), c.end)
-            positions.append(wanted)
-            slices.append((n, len(wanted)))
-            if wanted:
-                n += len(wanted)
-                layers.update(seq.hidden_layers)
-                last_only = last_only and mode is _LAST
+                end = c.start + c.num_tokens
+                count = max(0, end - max(c.start, self._ledger(seq).num_done))
+                last_only = False
+            slices.append((n, count))
+            if count:
+                n += count
+                with_rows.append(i)
+                layer_sets.add(seq.hidden_layers)
         if not n:
             return None
-        return RowPlan(positions, slices, sorted(layers), last_only)
+        return RowPlan(slices, with_rows, sorted(set().union(*layer_sets)), last_only)
 
     def launched(self, step: Launched) -> None:
         if step.rows is not None and step.rows.live:
@@ -172,18 +168,22 @@ class HiddenRows:
                        for c, (_, n) in zip(step.chunks, step.plan.slices))
             step.rows.settle(ends)
 
-    def record(self, step: Launched, i: int) -> None:
-        """Chunk i of a completed step: its captured rows go to its sequence's ledger."""
-        first, count = step.plan.slices[i] if step.plan is not None else (0, 0)
-        if not count:
+    def record(self, step: Launched) -> None:
+        """A completed step's rows go to their sequences' ledgers (not a finished one's)."""
+        plan, rows, ledgers = step.plan, step.rows, self._ledgers
+        if plan is None:
             return
-        seq = step.chunks[i].seq
-        ledger = self._ledger(seq)
-        if seq.hidden_mode is _FULL:
-            ledger.pending.append(step.rows.take(first, count, seq.hidden_layers, self.dtype))
-            ledger.num_done += count
-        else:
-            ledger.last = (step.rows, first)
+        for i in plan.with_rows:
+            seq = step.chunks[i].seq
+            if seq.status is Status.FINISHED:
+                continue  # NOTE: stopped or cancelled while this step ran ahead
+            ledger = ledgers.get(seq) or self._ledger(seq)
+            first, count = plan.slices[i]
+            if seq.hidden_mode is _FULL:
+                ledger.pending.append(rows.take(first, count, seq.hidden_layers, self.dtype))
+                ledger.num_done += count
+            else:
+                ledger.last = (rows, first)
 
     def processed(self, step: Launched) -> None:
         """The step is done with: rows of it still live are not wanted (nothing stays held)."""

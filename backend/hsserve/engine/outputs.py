@@ -25,6 +25,7 @@ class Outputs:
 
     def process(self, step: Launched, tokens: list[int | None]) -> None:
         """A completed step's tokens (None where none was sampled) and rows, per chunk."""
+        self.rows.record(step)
         for i, c in enumerate(step.chunks):
             seq = c.seq
             if seq.status is Status.FINISHED:
@@ -32,7 +33,6 @@ class Outputs:
             decided = seq.finish_reason is not None  # NOTE: a sample after the end is void
             seq.num_computed = c.end
             self.scheduler.cache_computed(seq)
-            self.rows.record(step, i)
             token = None if decided else tokens[i]
             if token is not None:
                 self._append(seq, token)
