@@ -232,6 +232,8 @@ class Engine:
     def _abandon_inflight(self, why: str) -> None:
         """Drop the launched step unread, once the device has run it (the graphs' host input
         slots are reused two steps later on the assumption that it did)."""
+        if self._inflight is not None:
+            self.rows.processed(self._inflight)  # NOTE: its live rows are let go, not kept
         self._inflight = None
         if self.device.type == "cuda":
             try:
