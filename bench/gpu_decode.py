@@ -54,11 +54,12 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 2 * 10 / (start.elapsed_time(end) / 1000)
 
 
-def engine_run(engine: Engine, batch: int, mode=HiddenStatesMode.NONE, tag: str = "") -> dict:
+def engine_run(engine: Engine, batch: int, mode=HiddenStatesMode.NONE, tag: str = "",
+               logprobs: int | None = None) -> dict:
     # NOTE: prompts differ per run (tag): a repeat must not find its prompts in the prefix cache
     g = torch.Generator().manual_seed(batch * 1000 + zlib.crc32(tag.encode()) % 1000)
     prompts = torch.randint(10, engine.spec.vocab_size - 10, (batch, PROMPT), generator=g).tolist()
-    sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     first: list[float] = []
     last: list[float] = []
     reached: dict[int, float] = {}  # NOTE: output tokens -> when the last sequence had that many
@@ -79,7 +80,8 @@ def engine_run(engine: Engine, batch: int, mode=HiddenStatesMode.NONE, tag: str 
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.submit(GenerationRequest(f"{tag}{batch}-{i}", prompt_ids=p, sampling=sp,
-                                        hidden_mode=mode, hidden_layers=(-1,)), sink=sink)
+                                        hidden_mode=mode,
+                                        hidden_layers=(-1,) if mode else None), sink=sink)
     for _ in prompts:
         done.acquire()
     t_end = max(last)
@@ -114,6 +116,18 @@ def best_of(engine: Engine, batch: int, repeats: int, modes=(HiddenStatesMode.NO
         for m in modes:
             runs[m].append(engine_run(engine, batch, mode=m, tag=f"r{r}{m.name}-"))
     return {m: min(rs, key=lambda x: x["step_ms"]) for m, rs in runs.items()}
+
+
+def logprobs_ab(engine: Engine, batch: int, repeats: int, k: int) -> dict:
+    """Step time with every request asking for logprobs (k alternatives) against none, runs
+    interleaved; the best of each."""
+    plain, asked = [], []
+    for r in range(repeats):
+        plain.append(engine_run(engine, batch, tag=f"lp{r}n-")["step_ms"])
+        asked.append(engine_run(engine, batch, tag=f"lp{r}y-", logprobs=k)["step_ms"])
+    return {"logprobs_k": k, "logprobs_step_ms": round(min(asked), 3),
+            "logprobs_none_step_ms": round(min(plain), 3),
+            "logprobs_overhead": round(min(asked) / min(plain) - 1, 4)}
 
 
 def weight_bytes(spec) -> int:
@@ -164,6 +178,8 @@ def main() -> None:
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--no-pdl", action="store_true", help="kernels without dependent launch (A/B)")
     ap.add_argument("--splits", type=int, help="decode attention splits at most (A/B)")
+    ap.add_argument("--logprobs", type=int, help="batch 64 (1B): also every request asking for "
+                    "logprobs with this many alternatives, against none")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if not args.out:
@@ -207,6 +223,9 @@ def main() -> None:
                     row["last_steady_step_ms"] = round(last["steady_step_ms"], 3)
                     row["graph_with_rows_replay_ms"] = round(graph_replay_ms(engine, batch, True), 3)
                     keys["last_vs_none_overhead_bs64"] = round(last["step_ms"] / r["step_ms"] - 1, 4)
+                if args.logprobs is not None and batch == 64 and short == "1b":
+                    row.update(logprobs_ab(engine, batch, args.repeats, args.logprobs))
+                    keys["logprobs_vs_none_overhead_bs64"] = row["logprobs_overhead"]
             finally:
                 engine.shutdown()
             if batch == 64 and short == "1b":

@@ -38,8 +38,9 @@ def main() -> int:
         make_input("max_tokens", [args.max_tokens], np.int32),
         make_input("temperature", [args.temperature], np.float32),
         make_input("MODE", [args.mode.encode()], np.object_),
-        make_input("hidden_layers", args.layers, np.int32),
     ]
+    if args.mode != "none":  # NOTE: layers without rows are refused
+        inputs.append(make_input("hidden_layers", args.layers, np.int32))
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))

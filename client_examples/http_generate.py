@@ -23,7 +23,9 @@ def main() -> int:
     args = ap.parse_args()
 
     body = {"text_input": args.prompt, "max_tokens": args.max_tokens, "temperature": 0.0,
-            "MODE": args.mode, "hidden_layers": args.layers}
+            "MODE": args.mode}
+    if args.mode != "none":  # NOTE: layers without rows are refused
+        body["hidden_layers"] = args.layers
     req = urllib.request.Request(f"{args.url}/v2/models/{args.model}/generate",
                                  data=json.dumps(body).encode(), method="POST")
     try:

@@ -40,7 +40,8 @@ def requests(plain: list | None, vocab: int) -> list[GenerationRequest]:
                 sp["stop_token_ids"] = (out.token_ids[half],)
         prompt = [rng.randint(3, vocab - 1) for _ in range(rng.randint(1, 30))]
         reqs.append(GenerationRequest(f"r{i}", prompt_ids=prompt, sampling=SamplingParams(**sp),
-                                      hidden_mode=MODES[i % 3], hidden_layers=LAYERS[i % 3]))
+                                      hidden_mode=MODES[i % 3],
+                                      hidden_layers=LAYERS[i % 3] if MODES[i % 3] else None))
     return reqs
 
 
@@ -65,7 +66,7 @@ def run(cfg: EngineConfig, reqs: list[GenerationRequest]):
 def assert_same(a, b, tol: float, reqs: list[GenerationRequest]) -> None:
     """Tokens, text, finish reasons equal; rows within tol x the row's norm (per layer)."""
     assert len(a) == len(b)
-    layers_of = {r.request_id: len(r.hidden_layers) for r in reqs}
+    layers_of = {r.request_id: len(r.hidden_layers or (-1,)) for r in reqs}
     for x, y in zip(a, b):
         num_layers = layers_of[x.request_id]
         key = (x.request_id, x.sequence_index)

@@ -6,12 +6,14 @@ import torch
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int | list[int]) -> list[int]:
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int | list[int],
+              min_new_tokens: int = 0) -> list[int]:
     ids = torch.tensor([prompt_ids])
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
         do_sample=False,
         eos_token_id=eos,
         pad_token_id=eos if isinstance(eos, int) else eos[0],

@@ -26,7 +26,7 @@ def _generate(args) -> int:
             prompt=args.prompt,
             sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature),
             hidden_mode=HiddenStatesMode.parse(args.mode),
-            hidden_layers=tuple(args.layers),
+            hidden_layers=tuple(args.layers) if args.mode != "none" else None,
         )
         for delta in engine.submit(req):
             sys.stdout.write(delta.text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +55,7 @@ class FinishReason(str, enum.Enum):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
+    min_tokens: int = 0  # NOTE: no stop (EOS, stop ids or strings) before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # NOTE: 0 (or -1) means no top-k filter
@@ -62,15 +64,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None  # NOTE: top alternatives per token (0: the token's own); None: off
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    def validate(self, max_tokens_limit: int, max_n: int = 1) -> None:
+    def validate(self, max_tokens_limit: int, max_n: int = 1, max_logprobs: int = 20) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise RequestError("logprobs", f"{self.logprobs} is outside 0..{max_logprobs}")
         if not 0 <= self.max_tokens <= max_tokens_limit:
             raise RequestError(
                 "max_tokens", f"{self.max_tokens} is outside the allowed range 0..{max_tokens_limit}"
+            )
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(
+                "min_tokens", f"{self.min_tokens} must be in 0..max_tokens ({self.max_tokens})"
             )
         if not (self.temperature >= 0.0 and self.temperature < float("inf")):
             raise RequestError("temperature", f"{self.temperature} must be a finite number >= 0")
@@ -95,7 +104,18 @@ class GenerationRequest:
     prompt_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     hidden_mode: HiddenStatesMode | str = HiddenStatesMode.NONE  # NOTE: parsed by admission
-    hidden_layers: tuple[int, ...] = (-1,)
+    hidden_layers: tuple[int, ...] | None = None  # NOTE: None: [-1] when MODE asks for rows
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability under the model (log-softmax of its logits, before
+    temperature, top-k / top-p or min_tokens), its rank among all tokens (1 = the most likely),
+    and the k most likely tokens with theirs."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass
@@ -117,6 +137,8 @@ class Delta:
     error: str | None = None
     sequence_index: int = 0
     request_done: bool = False  # the last delta of the request (of all its n completions)
+    logprobs: list[TokenLogprob] | None = None  # per token of this delta, when asked for
+    cumulative_logprob: float | None = None  # the completion's, up to this delta's last token
 
     @property
     def finished(self) -> bool:
@@ -130,6 +152,8 @@ class Delta:
             return deltas[0]
         rows = [d.hidden for d in deltas if d.hidden is not None]
         last = deltas[-1]
+        logprobs = [e for d in deltas for e in d.logprobs or ()] if last.logprobs is not None \
+            else None
         return cls(
             request_id=last.request_id,
             token_ids=[t for d in deltas for t in d.token_ids],
@@ -141,4 +165,6 @@ class Delta:
             error=last.error,
             sequence_index=last.sequence_index,
             request_done=last.request_done,
+            logprobs=logprobs,
+            cumulative_logprob=last.cumulative_logprob,
         )

@@ -37,7 +37,7 @@ def tiny_dirs(tmp_path_factory):
 def run(engine, prompts, mode, layers, max_new):
     streams = [engine.submit(GenerationRequest(
         f"g{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=max_new, temperature=0.0),
-        hidden_mode=mode, hidden_layers=layers)) for i, p in enumerate(prompts)]
+        hidden_mode=mode, hidden_layers=layers if mode else None)) for i, p in enumerate(prompts)]
     return [s.result(timeout=300) for s in streams]
 
 
@@ -84,7 +84,8 @@ def test_gpu_prefix_cache_warm_equals_cold(tiny_dirs, mode):
 
     def run_all(engine, tag):
         streams = [engine.submit(GenerationRequest(f"{tag}{i}-{j}", prompt_ids=p, sampling=s,
-                                                   hidden_mode=mode, hidden_layers=(0, -1)))
+                                                   hidden_mode=mode,
+                                                   hidden_layers=(0, -1) if mode else None))
                    for i, p in enumerate(prompts) for j, s in enumerate(sp)]
         return [r for s in streams for r in s.results(timeout=300)]
 
@@ -145,7 +146,8 @@ def test_gpu_graphs_captured_once_equal_eager_over_1000_steps(tiny_dirs):
                                          generator=g).tolist(),
                 sampling=SamplingParams(max_tokens=int(torch.randint(1, 48, (1,), generator=g)),
                                         temperature=0.0, ignore_eos=True),
-                hidden_mode=modes[(rounds + i) % 3], hidden_layers=(0, -1))
+                hidden_mode=modes[(rounds + i) % 3],
+                hidden_layers=(0, -1) if modes[(rounds + i) % 3] else None)
                 for i in range(1 + rounds % 7)]
             got = [graph.submit(r) for r in reqs]
             got = [s.result(timeout=300) for s in got]
@@ -222,3 +224,33 @@ def test_gpu_async_equals_sync(tiny_dirs, graphs):
 
     check_async_equals_sync(tiny_dirs["llama"], "cuda", vocab=1000, tol=1e-4, block_size=16,
                             dtype="float32", enable_cuda_graph=graphs)
+
+
+def test_gpu_logprobs_through_the_graphs_equal_eager(tiny_dirs):
+    """Logprobs of greedy decode steps (the graphs' own argmax) and sampled ones (the sampler
+    after the replay) equal the eager engine's."""
+    cfg = dict(model=tiny_dirs["llama"], device="cuda", dtype="float32", max_num_seqs=8)
+    graph = Engine(EngineConfig(**cfg)).start()
+    eager = Engine(EngineConfig(**cfg, enable_cuda_graph=False)).start()
+    try:
+        sps = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3),
+               SamplingParams(max_tokens=10, temperature=0.8, seed=5, n=2, ignore_eos=True,
+                              logprobs=2),
+               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+        reqs = [GenerationRequest(f"lp{i}", prompt_ids=list(range(5 + i, 20 + 3 * i)), sampling=sp)
+                for i, sp in enumerate(sps * 2)]
+        got = [r for s in [graph.submit(r) for r in reqs] for r in s.results(timeout=300)]
+        want = [r for s in [eager.submit(r) for r in reqs] for r in s.results(timeout=300)]
+        for a, b in zip(got, want):
+            assert a.token_ids == b.token_ids
+            if b.logprobs is None:
+                assert a.logprobs is None
+                continue
+            assert [e.top_ids for e in a.logprobs] == [e.top_ids for e in b.logprobs]
+            assert [e.rank for e in a.logprobs] == [e.rank for e in b.logprobs]
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert abs(x.logprob - y.logprob) <= 1e-4
+        assert graph.num_graph_captures > 0
+    finally:
+        graph.shutdown()
+        eager.shutdown()

@@ -50,7 +50,8 @@ def engine_outputs(folder):
     engine = Engine(EngineConfig(model=folder, device=DEVICE, dtype="float32")).start()
     try:
         streams = [engine.submit(GenerationRequest(
-            f"e{i}", prompt_ids=p, hidden_mode=HiddenStatesMode.parse(m), hidden_layers=tuple(LAYERS),
+            f"e{i}", prompt_ids=p, hidden_mode=HiddenStatesMode.parse(m),
+            hidden_layers=tuple(LAYERS) if m != "none" else None,
             sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
             for i, (p, m) in enumerate(zip(PROMPTS, MODES))]
         return [s.result(timeout=300) for s in streams]
@@ -83,8 +84,9 @@ def test_served_tokens_and_rows_equal_the_engine(tiny_llama, tmp_path):
         streams = []
         for p, m in zip(PROMPTS, MODES):  # NOTE: all in flight together, as the engine's were
             s = GrpcStream(server.grpc_url)
+            rows = dict(MODE=m, hidden_layers=LAYERS) if m != "none" else {}
             s.send(dict(input_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True, stream=True,
-                        MODE=m, hidden_layers=LAYERS))
+                        **rows))
             streams.append(s)
         for s, w, m in zip(streams, want, MODES):
             got = s.read()

@@ -36,7 +36,7 @@ def test_soak(triton_server, smollm_engine):
             f"soak-ref-{checked}", prompt_ids=fields["input_ids"],
             sampling=SamplingParams(max_tokens=fields["max_tokens"], temperature=fields["temperature"],
                                     seed=fields["seed"], ignore_eos=True),
-            hidden_mode=mode, hidden_layers=(-1,)), timeout=120)
+            hidden_mode=mode, hidden_layers=(-1,) if mode else None), timeout=120)
         assert res["ids"] == ref.token_ids
         if mode != HiddenStatesMode.NONE:
             np.testing.assert_allclose(np.concatenate(res["rows"]), ref.hidden.numpy(), atol=1e-3)

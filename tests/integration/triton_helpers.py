@@ -22,8 +22,14 @@ TYPES = {
     "temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "seed": np.uint64,
     "stop": np.object_, "stop_token_ids": np.int32, "ignore_eos": np.bool_, "n": np.int32,
     "sampling_parameters": np.object_, "MODE": np.object_, "hidden_layers": np.int32,
+    "min_tokens": np.int32, "exclude_input_in_output": np.bool_, "return_finish_reason": np.bool_,
+    "return_cumulative_logprob": np.bool_, "return_logprobs": np.bool_,
+    "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_,
+    "min_length": np.int32, "stop_words": np.object_, "random_seed": np.uint64,
+    "end_id": np.int32, "pad_id": np.int32, "bad_words": np.object_, "beam_width": np.int32,
+    "num_logprobs": np.int32,
 }
-LIST_INPUTS = {"input_ids", "stop", "stop_token_ids", "hidden_layers"}
+LIST_INPUTS = {"input_ids", "stop", "stop_token_ids", "hidden_layers", "stop_words", "bad_words"}
 
 
 def arrays(fields: dict) -> dict[str, np.ndarray]:
@@ -64,7 +70,8 @@ class Streamed:
 
 
 OUTPUT_NAMES = ("text_output", "output_ids", "HIDDEN_STATES", "finish_reason", "num_input_tokens",
-                "num_output_tokens", "sequence_index")
+                "num_output_tokens", "sequence_index", "output_logprobs", "top_logprob_ids",
+                "top_logprobs", "cumulative_logprob", "logprobs")
 CLASSIFIER_OUTPUTS = ("text_output", "output_ids", "PROBABILITIES", "LABEL")
 
 
@@ -85,12 +92,12 @@ class GrpcStream:
         self.client.start_stream(callback=lambda result, error: self.queue.put((result, error)))
 
     def send(self, fields: dict, request_id: str = "", model: str = "llm", raw=None,
-             outputs: tuple[str, ...] = ()) -> None:
-        """outputs: the outputs the request names (none: all)."""
+             outputs: tuple[str, ...] = (), parameters: dict | None = None) -> None:
+        """outputs: the outputs the request names (none: all); parameters: request parameters."""
         asked = [grpcclient.InferRequestedOutput(n) for n in outputs] or None
         self.client.async_stream_infer(model, infer_inputs(grpcclient, fields, raw),
                                        outputs=asked, request_id=request_id,
-                                       enable_empty_final_response=True)
+                                       enable_empty_final_response=True, parameters=parameters)
 
     def read(self, timeout: float = 300.0) -> Streamed:
         """Responses of one request (the stream carries one request at a time here)."""
@@ -113,11 +120,11 @@ class GrpcStream:
 
 
 def stream_once(url: str, fields: dict, raw=None, model: str = "llm",
-                outputs: tuple[str, ...] = ()) -> Streamed:
+                outputs: tuple[str, ...] = (), parameters: dict | None = None) -> Streamed:
     s = GrpcStream(url)
     try:
         s.send({"stream": True, **fields} if "stream" not in fields else fields, raw=raw,
-               model=model, outputs=outputs)
+               model=model, outputs=outputs, parameters=parameters)
         return s.read()
     finally:
         s.close()

@@ -24,7 +24,8 @@ PROMPTS = [PREFIX + [900 + i] * (3 + 7 * i) for i in range(3)] + [PREFIX[:32], l
 def run(engine: Engine, mode: HiddenStatesMode, tag: str):
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     streams = [engine.submit(GenerationRequest(f"{tag}{i}", prompt_ids=p, sampling=sp,
-                                               hidden_mode=mode, hidden_layers=(1, -1)))
+                                               hidden_mode=mode,
+                                               hidden_layers=(1, -1) if mode else None))
                for i, p in enumerate(PROMPTS)]
     return [s.results(timeout=600)[0] for s in streams]
 

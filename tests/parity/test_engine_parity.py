@@ -52,7 +52,7 @@ def mixed_requests(prompts, max_new: int, tag: str) -> list[GenerationRequest]:
             prompt_ids=p,
             sampling=SamplingParams(max_tokens=max_new, temperature=0.0),
             hidden_mode=MODES[i % 3],
-            hidden_layers=LAYER_SETS[i % len(LAYER_SETS)],
+            hidden_layers=LAYER_SETS[i % len(LAYER_SETS)] if MODES[i % 3] else None,
         )
         for i, p in enumerate(prompts)
     ]

@@ -35,7 +35,8 @@ def test_200_mixed_requests_with_aborts_free_every_block(tiny_model_dir, async_s
                             seed=i, ignore_eos=rng.random() < 0.5)
         ids = [rng.randint(3, 40000) for _ in range(rng.randint(1, 40))]
         streams.append(engine.submit(GenerationRequest(rid, prompt_ids=ids, sampling=sp,
-                                                       hidden_mode=mode, hidden_layers=(-1, 1))))
+                                                       hidden_mode=mode,
+                                                       hidden_layers=(-1, 1) if mode else None)))
         if rng.random() < 0.3:
             time.sleep(rng.random() * 0.01)
             engine.abort(rid)
@@ -85,7 +86,8 @@ def test_200_requests_on_a_tiny_pool_equal_unconstrained(tiny_model_dir):
                                      max_num_batched_tokens=budget, max_model_len=128)).start()
         try:
             streams = [engine.submit(GenerationRequest(f"p{i}", prompt_ids=p, sampling=sp,
-                                                       hidden_mode=mode, hidden_layers=(-1,)))
+                                                       hidden_mode=mode,
+                                                       hidden_layers=(-1,) if mode else None))
                        for i, (p, sp, mode) in enumerate(reqs)]
             results = [s.results(timeout=600) for s in streams]
             assert engine.pool.num_used == 0
@@ -125,6 +127,11 @@ def strict_engine(tiny_model_dir):
          "not captured"),
         (dict(prompt_ids=[5], hidden_mode=HiddenStatesMode.LAST, hidden_layers=(9,)), "hidden_layers",
          "outside"),
+        (dict(prompt_ids=[5], hidden_layers=(999,)), "hidden_layers", "outside"),
+        (dict(prompt_ids=[5], hidden_layers=(2,)), "hidden_layers", "not captured"),
+        (dict(prompt_ids=[5], hidden_layers=(-1,)), "hidden_layers", "MODE is none"),
+        (dict(prompt_ids=[5], hidden_mode=HiddenStatesMode.LAST, hidden_layers=()), "hidden_layers",
+         "empty"),
         (dict(prompt_ids=[5], sampling=SamplingParams(max_tokens=33)), "max_tokens", "0..32"),
         (dict(prompt_ids=[5] * 65), "input_ids", "max_prompt_tokens"),
         (dict(prompt_ids=[5] * 64, sampling=SamplingParams(max_tokens=1)), "input_ids", "max_model_len"),
@@ -156,7 +163,8 @@ def test_prompt_only_returns_prompt_rows(smollm_engine):
                        (HiddenStatesMode.NONE, 0)]:
         r = smollm_engine.generate(GenerationRequest(f"p0-{mode.label}", prompt_ids=ids,
                                                      sampling=SamplingParams(max_tokens=0),
-                                                     hidden_mode=mode, hidden_layers=(-1, 0)),
+                                                     hidden_mode=mode,
+                                                     hidden_layers=(-1, 0) if mode else None),
                                    timeout=60)
         assert r.token_ids == [] and r.finish_reason == FinishReason.LENGTH
         assert r.num_input_tokens == len(ids)

@@ -22,7 +22,7 @@ PROMPTS = [
 def run(engine: Engine, mode: HiddenStatesMode, sampling: SamplingParams, tag: str):
     streams = [
         engine.submit(GenerationRequest(f"{tag}{i}", prompt_ids=p, sampling=sampling,
-                                        hidden_mode=mode, hidden_layers=(0, -1)))
+                                        hidden_mode=mode, hidden_layers=(0, -1) if mode else None))
         for i, p in enumerate(PROMPTS)
     ]
     return [s.results(timeout=300) for s in streams]

@@ -3,6 +3,8 @@ a stand-in for pb_utils that records each response's tensors."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -64,7 +66,10 @@ def test_a_request_naming_no_outputs_gets_them_all():
     assert requested_outputs(Request([])) == frozenset(OUTPUTS)
     first, last = responses([], deltas())
     assert set(first[0]) == {"text_output", "output_ids", "sequence_index", "HIDDEN_STATES"}
-    assert set(last[0]) == set(OUTPUTS) and last[1] == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    logprob_outputs = {"output_logprobs", "top_logprob_ids", "top_logprobs", "cumulative_logprob",
+                       "logprobs"}  # NOTE: only for requests that ask for logprobs
+    assert set(last[0]) == set(OUTPUTS) - logprob_outputs
+    assert last[1] == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert last[0]["text_output"].tolist() == [b"!"] and last[0]["num_output_tokens"] == [3]
     np.testing.assert_array_equal(first[0]["output_ids"], np.array([5, 6], np.int32))
 
@@ -79,3 +84,23 @@ def test_only_the_outputs_asked_for_are_built():
     first, last = responses(["HIDDEN_STATES"], deltas())
     assert list(first[0]) == ["HIDDEN_STATES"] and list(last[0]) == ["HIDDEN_STATES"]
     assert torch.equal(first[0]["HIDDEN_STATES"], torch.ones(1, 4))
+
+
+def test_logprob_outputs_and_vllm_backend_json():
+    from hsserve.request import TokenLogprob
+
+    entries = [TokenLogprob(-0.5, 1, [5, 9], [-0.5, -1.5]), TokenLogprob(-2.0, 3, [8, 4], [-0.2, -0.9])]
+    d = Delta("a", [5, 6], "hi", logprobs=entries, cumulative_logprob=-2.5,
+              finish_reason=FinishReason.LENGTH, request_done=True)
+    r = Responses(FakePb, decode=lambda t: f"<{t}>")
+    out = {t.name: t.value for t in r.for_delta(d, frozenset(OUTPUTS),
+                                                 returns=frozenset({"logprobs", "cumulative_logprob"})).outputs}
+    np.testing.assert_array_equal(out["output_logprobs"], np.float32([-0.5, -2.0]))
+    assert out["top_logprob_ids"].tolist() == [[5, 9], [8, 4]]
+    assert out["cumulative_logprob"].tolist() == [-2.5]
+    js = json.loads(out["logprobs"][0])
+    assert js[0] == {"5": {"logprob": -0.5, "rank": 1, "decoded_token": "<5>"},
+                     "9": {"logprob": -1.5, "rank": 2, "decoded_token": "<9>"}}
+    assert set(js[1]) == {"6", "8", "4"} and js[1]["6"]["rank"] == 3
+    plain = {t.name for t in r.for_delta(d, frozenset(OUTPUTS)).outputs}
+    assert "logprobs" not in plain and "cumulative_logprob" not in plain, "vllm's only on its flags"

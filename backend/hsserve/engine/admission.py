@@ -61,6 +61,7 @@ class Admission:
         self.max_model_len, self.max_prompt_tokens = info.max_model_len, info.max_prompt_tokens
         self.max_tokens_limit = config.max_tokens_limit
         self.max_n = config.max_num_seqs
+        self.max_logprobs = config.max_logprobs
         self.ceiling = config.hidden_states_ceiling
         self.captured_layers = info.captured_layers
         self._rng = random.Random()  # NOTE: seeds for unseeded requests
@@ -91,7 +92,7 @@ class Admission:
             raise RequestError(
                 name, f"the prompt has {len(ids)} tokens; max_prompt_tokens is {self.max_prompt_tokens}"
             )
-        sp.validate(self.max_tokens_limit, self.max_n)
+        sp.validate(self.max_tokens_limit, self.max_n, self.max_logprobs)
         if len(ids) + (1 if sp.max_tokens else 0) > self.max_model_len:
             raise RequestError(
                 name,
@@ -105,11 +106,15 @@ class Admission:
             raise RequestError(
                 "MODE", f"{mode.label!r} is above this server's ceiling {ceiling.label!r}; allowed: {allowed}"
             )
-        layers: tuple[int, ...] = ()
-        if mode != HiddenStatesMode.NONE:
-            if not request.hidden_layers:
-                raise RequestError("hidden_layers", "empty; give at least one layer index")
-            layers = tuple(self.normalize_layer(k) for k in request.hidden_layers)
+        given = request.hidden_layers
+        if given is not None and not len(given):
+            raise RequestError("hidden_layers", "empty; give at least one layer index")
+        layers = tuple(self.normalize_layer(k) for k in (given if given is not None else (-1,)))
+        if mode == HiddenStatesMode.NONE:
+            if given is not None:
+                raise RequestError("hidden_layers", f"{list(given)} given while MODE is none; "
+                                   "set MODE to last or full to get hidden states")
+            layers = ()
         return ids, mode, layers
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:

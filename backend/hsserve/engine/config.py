@@ -32,6 +32,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_prompt_tokens: int = 0  # 0 = max_model_len
     max_tokens_limit: int = 4096
+    max_logprobs: int = 20  # top alternatives a request may ask for per token
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.9  # GPU: of free memory; CPU: of available RAM, see kv_cache_max_bytes
@@ -65,7 +66,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "max_prompt_tokens", "num_kv_blocks", "num_threads",
-                     "max_queue_size"):
+                     "max_queue_size", "max_logprobs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -68,10 +68,13 @@ class StopMatcher:
         self.hit = False
         self.released = 0  # characters of `text` already handed out
 
-    def feed(self, delta: str) -> bool:
-        """Append text; True when a stop string appeared (text is cut before it)."""
+    def feed(self, delta: str, match: bool = True) -> bool:
+        """Append text; True when a stop string appeared (text is cut before it). `match`
+        false (before min_tokens): appended, not searched."""
         start = max(0, len(self.text) - self.hold)
         self.text += delta
+        if not match:
+            return False
         hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]

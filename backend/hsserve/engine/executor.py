@@ -14,7 +14,8 @@ import torch
 
 from hsserve.engine.cuda_graphs import DecodeGraphs
 from hsserve.engine.hidden_rows import RowPlan, StepRows
-from hsserve.engine.sampler import sample
+from hsserve.engine.logprobs import step_logprobs
+from hsserve.engine.sampler import banned_tokens, sample
 from hsserve.engine.transfer import download, upload
 from hsserve.engine.types import Chunk, Launched
 from hsserve.kernels import kernels_supported
@@ -44,6 +45,7 @@ class Executor:
         self.dtype = model.embed.dtype
         self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
         self.group = model.spec.num_heads // model.spec.num_kv_heads
+        self.eos_ids = frozenset(getattr(model.spec, "eos_token_ids", ()))
         self._sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
         # NOTE: MODE=last rows kept on the device are copied out on this stream, past the steps
         # queued after theirs
@@ -129,14 +131,11 @@ class Executor:
         graph = g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks)
         forward = self._forward_graph if graph else self._forward_eager
         logits, block, layers, greedy = forward(chunks, sources, sampled, plan)
-        tokens = None
+        tokens = logprobs = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
-            params = [c.seq.sampling for c in sampling]
-            if graph and len(sampling) == len(chunks) and all(p.greedy for p in params):
-                tokens = greedy  # NOTE: the replay's own argmax wrote them, here and to the host
-            else:
-                tokens = self._sample(logits, sampling, params)
+            tokens, logprobs = self._tokens(logits, sampling, greedy if graph else None,
+                                            len(sampling) == len(chunks))
         rows = None
         if block is not None:
             if self._fetch_stream is not None and plan.last_only:
@@ -149,21 +148,35 @@ class Executor:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Launched(chunks, sampled, tokens, rows, plan, done)
+        return Launched(chunks, sampled, tokens, rows, plan, done, logprobs)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Chunk], params) -> torch.Tensor:
-        """Samples of the sampling chunks, written where a step queued ahead reads its inputs;
-        returns their host copy."""
+    def _tokens(self, logits: torch.Tensor, sampling: list[Chunk], greedy: torch.Tensor | None,
+                every_row: bool):
+        """The sampling chunks' tokens (host copy) and log-probabilities where asked. greedy: a
+        graph replay's own argmax samples (used when every row of it is plainly greedy)."""
+        params = [c.seq.sampling for c in sampling]
+        banned = [banned_tokens(p, self.eos_ids, c.end - c.seq.num_prompt_tokens)
+                  for c, p in zip(sampling, params)]
+        if greedy is not None and every_row and all(p.greedy for p in params) and not any(banned):
+            samples, tokens = self.sampled, greedy  # NOTE: the replay's argmax wrote both
+        else:
+            samples, tokens = self._sample(logits, sampling, params, banned)
+        return tokens, step_logprobs(logits, samples, params)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Chunk], params,
+                banned: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples of the sampling chunks, written where a step queued ahead reads its inputs:
+        (on the device, host copy)."""
         where = self.sampled[: len(sampling)]
         cuda = self.device.type == "cuda"
         # NOTE: on CUDA written in place (no copy kernel); on the CPU download() returns the
         # tensor itself, so it must stay apart
         samples = sample(logits, params, [c.seq.seed for c in sampling],
                          [c.end - c.seq.num_prompt_tokens for c in sampling],
-                         out=where if cuda else None)
+                         out=where if cuda else None, banned=banned)
         if not cuda:
             where.copy_(samples)
-        return download(samples)
+        return samples, download(samples)
 
     def complete(self, step: Launched) -> list[int | None]:
         """Wait for a launched step: per chunk its sampled token, None where none was."""

@@ -11,7 +11,7 @@ import torch
 from hsserve.engine.admission import AdmittedRequest
 from hsserve.engine.stats import EngineSnapshot
 from hsserve.models.spec import ModelSpec
-from hsserve.request import Delta, FinishReason
+from hsserve.request import Delta, FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from hsserve.engine.sequence import Sequence
@@ -114,17 +114,21 @@ def delta_to_wire(d: Delta) -> tuple:
         raw = h.view(-1).view(torch.uint8).numpy()
         hidden = (str(h.dtype).removeprefix("torch."), tuple(h.shape), raw)
     reason = d.finish_reason.value if d.finish_reason is not None else None
+    logprobs = [tuple(e) for e in d.logprobs] if d.logprobs is not None else None
     return (d.request_id, d.token_ids, d.text, hidden, reason, d.num_input_tokens,
-            d.num_output_tokens, d.error, d.sequence_index, d.request_done)
+            d.num_output_tokens, d.error, d.sequence_index, d.request_done, logprobs,
+            d.cumulative_logprob)
 
 
 def delta_from_wire(w: tuple) -> Delta:
-    rid, tokens, text, hidden, reason, n_in, n_out, error, index, done = w
+    rid, tokens, text, hidden, reason, n_in, n_out, error, index, done, logprobs, cum = w
     if hidden is not None:
         dtype, shape, raw = hidden
         hidden = torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
+    if logprobs is not None:
+        logprobs = [TokenLogprob(*e) for e in logprobs]
     return Delta(rid, tokens, text, hidden, FinishReason(reason) if reason is not None else None,
-                 n_in, n_out, error, index, done)
+                 n_in, n_out, error, index, done, logprobs, cum)
 
 
 def error_delta(request_id: str, message: str) -> Delta:

@@ -7,11 +7,12 @@ import logging
 from typing import Callable
 
 from hsserve.engine.hidden_rows import HiddenRows, wants_final_row
+from hsserve.engine.logprobs import token_logprobs
 from hsserve.engine.scheduler import Scheduler
 from hsserve.engine.sequence import Sequence, Status
 from hsserve.engine.stats import EngineStats
 from hsserve.engine.types import Launched
-from hsserve.request import Delta, FinishReason
+from hsserve.request import Delta, FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class Outputs:
     def process(self, step: Launched, tokens: list[int | None]) -> None:
         """A completed step's tokens (None where none was sampled) and rows, per chunk."""
         self.rows.record(step)
+        logprobs = token_logprobs(step.logprobs, step.sampled)
         for i, c in enumerate(step.chunks):
             seq = c.seq
             if seq.status is Status.FINISHED:
@@ -35,25 +37,32 @@ class Outputs:
             self.scheduler.cache_computed(seq)
             token = None if decided else tokens[i]
             if token is not None:
-                self._append(seq, token)
+                self._append(seq, token, logprobs[i])
             if seq.finish_reason is not None and (
                     not wants_final_row(seq) or (c.completes and token is None)):
                 self.finish(seq)
             else:
                 self.publish(seq, final=False)
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.logprob_sums.append(logprob.logprob + (seq.logprob_sums[-1] if seq.logprob_sums
+                                                       else 0.0))
         now = EngineStats.now()
         self.stats.generation_tokens += 1
         (self.stats.ttft if seq.num_generated == 1 else self.stats.itl).append(now - seq.t_last)
         seq.t_last = now
         sp = seq.sampling
         stopped = False
+        early = seq.num_generated < sp.min_tokens  # NOTE: no stop before min_tokens
         if seq.detokenizer is not None:
-            stopped = seq.stop.feed(seq.detokenizer.add(token))
+            stopped = seq.stop.feed(seq.detokenizer.add(token), match=not early)
         seq.text_marks.append(len(seq.stop.text))
-        if stopped or token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
+        if early:
+            pass
+        elif stopped or token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
             seq.finish_reason = FinishReason.STOP
         elif seq.ends_at(seq.num_tokens):
             seq.finish_reason = FinishReason.LENGTH
@@ -73,6 +82,10 @@ class Outputs:
         for _ in range(max(new, 0)):
             upto = seq.text_marks.popleft()
         text = seq.stop.release(upto, final)
+        logprobs = cumulative = None
+        if seq.logprobs is not None:
+            logprobs = seq.logprobs[seq.num_tokens_sent : ready]
+            cumulative = seq.logprob_sums[ready - 1] if ready else 0.0
         seq.num_tokens_sent = ready
         self._send(seq, Delta(
             request_id=seq.request_id, token_ids=tokens, text=text,
@@ -80,6 +93,7 @@ class Outputs:
             finish_reason=seq.finish_reason if final else None,
             num_input_tokens=p, num_output_tokens=generated,
             sequence_index=seq.index, request_done=final and seq.group.done,
+            logprobs=logprobs, cumulative_logprob=cumulative,
         ))
 
     def finish(self, seq: Sequence, publish_rest: bool = True, error: str | None = None) -> None:

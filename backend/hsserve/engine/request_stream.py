@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hsserve.request import Delta, FinishReason
+from hsserve.request import Delta, FinishReason, TokenLogprob
 
 
 @dataclass
@@ -22,6 +22,8 @@ class Result:
     error: str | None
     num_deltas: int
     sequence_index: int = 0
+    logprobs: list[TokenLogprob] | None = None  # per token, when asked for
+    cumulative_logprob: float | None = None
 
 
 class RequestStream:
@@ -79,4 +81,6 @@ def _collect(request_id: str, deltas: list[Delta]) -> Result:
         error=d.error,
         num_deltas=len(deltas),
         sequence_index=d.sequence_index,
+        logprobs=d.logprobs,
+        cumulative_logprob=d.cumulative_logprob,
     )

@@ -51,12 +51,24 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def banned_tokens(sp: SamplingParams, eos_ids: frozenset[int], output_index: int) -> list[int]:
+    """Tokens a sample may not be: before min_tokens, EOS (unless ignored) and the stop ids."""
+    if output_index >= sp.min_tokens:
+        return []
+    return [*sp.stop_token_ids, *(() if sp.ignore_eos else eos_ids)]
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, banned: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """logits [B, vocab] float32 -> token ids [B] (int64, on logits' device), into `out` when
-    given (contiguous int64 [B])."""
+    given (contiguous int64 [B]); banned: per row, tokens masked out first (logits untouched)."""
+    if banned is not None and any(banned):
+        rows = [i for i, ids in enumerate(banned) for _ in ids]
+        cols = [t for ids in banned for t in ids]
+        logits = logits.index_put((upload(rows, logits.device), upload(cols, logits.device)),
+                                  torch.tensor(float("-inf"), device=logits.device))
     out = argmax_rows(logits, out)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

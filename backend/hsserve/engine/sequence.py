@@ -71,6 +71,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_tokens_sent = 0  # generated tokens already published
         self.max_num_tokens = max_num_tokens  # prompt + max_tokens, within max_model_len
+        # NOTE: per generated token when asked for (TokenLogprob), and their running sums
+        self.logprobs: list | None = [] if sampling.logprobs is not None else None
+        self.logprob_sums: list[float] = []
         # NOTE: text length (in self.stop.text) after each generated token not yet published,
         # so a delta's text is the text of the delta's own tokens.
         self.text_marks: deque[int] = deque()

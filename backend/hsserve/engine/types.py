@@ -12,6 +12,7 @@ from hsserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from hsserve.engine.hidden_rows import RowPlan, StepRows
+    from hsserve.engine.logprobs import StepLogprobs
 
 
 @dataclass(slots=True)
@@ -53,3 +54,4 @@ class Launched:
     rows: StepRows | None  # the rows that leave the device
     plan: RowPlan | None  # which rows of which chunk they are
     done: torch.cuda.Event | None  # recorded after the copies (CUDA)
+    logprobs: StepLogprobs | None = None  # host copies, for the rows that asked

@@ -69,7 +69,9 @@ class TritonPythonModel:
         engine_cls = EngineProcess if self.config.engine_process else Engine
         # NOTE: a load error is raised here, to Triton
         self.engine = engine_cls(engine_config, on_step=self.on_engine_step).start()
-        self.requests = InflightRequests(Responses(pb), self.engine.abort, log.log_warn)
+        tokenizer = self.engine.info.tokenizer
+        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else None
+        self.requests = InflightRequests(Responses(pb, decode), self.engine.abort, log.log_warn)
         self.sender = ResponseSender(self.config.stream_responses_per_s,
                                      self.requests.num_streams, self.requests.deliver).start()
         self._stopping = threading.Event()
@@ -102,8 +104,10 @@ class TritonPythonModel:
             # NOTE: one pass over the inputs (get_input_tensor_by_name walks them all per name)
             tensors = {t.name(): t.as_numpy() for t in request.inputs()}
             parsed = parse_request(rid, tensors, request.parameters(),
-                                   self.config.default_max_tokens)
-            state.stream = parsed.stream
+                                   self.config.default_max_tokens,
+                                   self.config.exclude_input_in_output)
+            state.stream, state.returns = parsed.stream, parsed.returns
+            state.echo = parsed.request.prompt if parsed.echo else ""
             reqs.add(rid, state)
             self.engine.submit(parsed.request, sink=self.sender.put)
         except RequestError as e:

@@ -21,6 +21,9 @@ class AdapterConfig:
     # tokens (bench/README.md#response-sender). 0 = one response per token
     stream_responses_per_s: int = 4000
     default_max_tokens: int = 16  # a request's max_tokens when it gives none
+    # NOTE: a request that does not say: false answers as vllm_backend does (a non-streamed
+    # text_output starts with the prompt); true (ours): the completion only
+    exclude_input_in_output: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.drain_timeout_s <= 3600.0:

@@ -20,6 +20,8 @@ class Inflight:
     outputs: frozenset = ALL_OUTPUTS  # NOTE: only these are built
     deltas: dict[int, list[Delta]] = field(default_factory=dict)  # not streamed: per completion
     next_cancel_check: float = 0.0
+    echo: str = ""  # not streamed: the prompt text each completion's text_output starts with
+    returns: frozenset = frozenset()  # vllm_backend's return_* outputs asked for
     # NOTE: once the final response is sent Triton frees the request, and asking its sender
     # is_cancelled() then crashes tritonserver (seen: SIGSEGV in
     # TRITONBACKEND_ResponseFactoryIsCancelled): the final send and every is_cancelled() hold
@@ -97,8 +99,11 @@ class InflightRequests:
             if not delta.finished:
                 return
             delta = Delta.merge(state.deltas.pop(delta.sequence_index))
+            if state.echo:
+                delta.text = state.echo + delta.text
         try:
-            response = self.responses.for_delta(delta, state.outputs, self.shutting_down)
+            response = self.responses.for_delta(delta, state.outputs, self.shutting_down,
+                                                state.returns)
             state.send(response, delta.request_done or failed, self._final_flag)
         except Exception as e:  # noqa: BLE001 - a vanished client must not stop the sender
             self._warn(f"hsserve: send failed for {rid}: {e}")

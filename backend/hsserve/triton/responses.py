@@ -3,6 +3,9 @@ error response that ends a request. `pb` is triton_python_backend_utils (a stand
 
 from __future__ import annotations
 
+import json
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -19,11 +22,15 @@ def requested_outputs(request) -> frozenset:
 
 
 class Responses:
-    def __init__(self, pb):
-        self.pb = pb
+    def __init__(self, pb, decode: Callable[[int], str] | None = None):
+        """decode: a token id's text (vllm_backend's `logprobs` JSON names each token)."""
+        self.pb, self.decode = pb, decode or str
 
-    def for_delta(self, delta: Delta, outputs: frozenset, shutting_down: bool = False):
-        """The response for `delta`: its outputs among `outputs`, or the request's error."""
+    def for_delta(self, delta: Delta, outputs: frozenset, shutting_down: bool = False,
+                  returns: frozenset = frozenset()):
+        """The response for `delta`: its outputs among `outputs`, or the request's error.
+        `returns` (vllm_backend's return_* flags): finish_reason and num_input_tokens on every
+        response ("None" before the end), num_output_tokens counting this response's tokens."""
         pb = self.pb
         if delta.finish_reason == FinishReason.CANCELLED:
             return self.error("the request was cancelled", pb.TritonError.CANCELLED)
@@ -39,13 +46,51 @@ class Responses:
             tensors.append(self._numbers("sequence_index", [delta.sequence_index], np.uint32))
         if delta.hidden is not None and "HIDDEN_STATES" in outputs:  # NOTE: absent when no rows
             tensors.append(self._dlpack("HIDDEN_STATES", delta.hidden))
-        if delta.finished:
-            if "finish_reason" in outputs:
-                tensors.append(self._strings("finish_reason", [delta.finish_reason.value]))
-            for name in ("num_input_tokens", "num_output_tokens"):
-                if name in outputs:
-                    tensors.append(self._numbers(name, [getattr(delta, name)], np.uint32))
+        if delta.logprobs is not None:
+            tensors += self._logprobs(delta, outputs, returns)
+        final = delta.finished
+        if "finish_reason" in outputs and (final or "finish_reason" in returns):
+            reason = delta.finish_reason.value if final else "None"
+            tensors.append(self._strings("finish_reason", [reason]))
+        if "num_input_tokens" in outputs and (final or "num_input_tokens" in returns):
+            tensors.append(self._numbers("num_input_tokens", [delta.num_input_tokens], np.uint32))
+        if "num_output_tokens" in outputs and (final or "num_output_tokens" in returns):
+            count = len(delta.token_ids) if "num_output_tokens" in returns else \
+                delta.num_output_tokens
+            tensors.append(self._numbers("num_output_tokens", [count], np.uint32))
         return pb.InferenceResponse(output_tensors=tensors)
+
+    def _logprobs(self, delta: Delta, outputs: frozenset, returns: frozenset) -> list:
+        """output_logprobs [tokens], top_logprob_ids / top_logprobs [tokens, k] (k > 0), and
+        vllm_backend's cumulative_logprob and `logprobs` JSON when its flags ask."""
+        entries, out = delta.logprobs, []
+        if "output_logprobs" in outputs:
+            values = np.asarray([e.logprob for e in entries], dtype=np.float32)
+            out.append(self.pb.Tensor("output_logprobs", values))
+        k = len(entries[0].top_ids) if entries else 0
+        if k and "top_logprob_ids" in outputs:
+            ids = np.asarray([e.top_ids for e in entries], dtype=np.int32)
+            out.append(self.pb.Tensor("top_logprob_ids", ids))
+        if k and "top_logprobs" in outputs:
+            values = np.asarray([e.top_logprobs for e in entries], dtype=np.float32)
+            out.append(self.pb.Tensor("top_logprobs", values))
+        if "cumulative_logprob" in returns and "cumulative_logprob" in outputs:
+            out.append(self.pb.Tensor("cumulative_logprob",
+                                      np.asarray([delta.cumulative_logprob], dtype=np.float32)))
+        if "logprobs" in returns and "logprobs" in outputs:
+            out.append(self._strings("logprobs", [json.dumps(self._vllm_json(delta))]))
+        return out
+
+    def _vllm_json(self, delta: Delta) -> list[dict]:
+        """Per token {token id: {logprob, rank, decoded_token}}: the sampled token, then the
+        top alternatives (vllm_backend's form)."""
+        out = []
+        for token, e in zip(delta.token_ids, delta.logprobs):
+            d = {token: {"logprob": e.logprob, "rank": e.rank, "decoded_token": self.decode(token)}}
+            for r, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs), start=1):
+                d.setdefault(t, {"logprob": v, "rank": r, "decoded_token": self.decode(t)})
+            out.append(d)
+        return out
 
     def error(self, message: str, code=None):
         pb = self.pb

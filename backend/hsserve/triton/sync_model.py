@@ -17,7 +17,7 @@ from hsserve.triton.tensors import INPUTS, OUTPUTS, parse_request
 
 pb_utils = None  # NOTE: bound in initialize()
 _TARGET = "llm"
-_FINAL_ONLY = ("num_input_tokens", "num_output_tokens", "sequence_index")
+_FINAL_ONLY = ("num_input_tokens", "num_output_tokens", "sequence_index", "cumulative_logprob")
 
 
 def _join(name: str, tensors: list):
@@ -25,6 +25,9 @@ def _join(name: str, tensors: list):
     if name == "text_output":
         text = b"".join(b for t in tensors for b in t.as_numpy().reshape(-1))
         return pb_utils.Tensor(name, np.array([text], dtype=np.object_))
+    if name == "logprobs":  # NOTE: vllm_backend's JSON list per response: one list
+        items = [e for t in tensors for e in json.loads(t.as_numpy().reshape(-1)[0])]
+        return pb_utils.Tensor(name, np.array([json.dumps(items).encode()], dtype=np.object_))
     if len(tensors) == 1:
         return pb_utils.Tensor.from_dlpack(name, tensors[0].to_dlpack())
     parts = [torch.utils.dlpack.from_dlpack(t.to_dlpack()) for t in tensors]

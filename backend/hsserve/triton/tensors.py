@@ -1,108 +1,60 @@
-"""Triton tensors <-> engine objects, with no Triton import: inputs arrive as a dict of numpy
+"""Triton tensors -> the engine's request, with no Triton import: inputs arrive as a dict of numpy
 arrays (and the request's parameters JSON), so parsing is testable and fuzzable on its own.
 
 Precedence for each setting: typed input tensor > `sampling_parameters` JSON > request
-parameters (e.g. extra fields of an HTTP generate body) > server default.
+parameters (e.g. extra fields of an HTTP generate body) > server default. Other backends'
+dialects (dialects.py) are translated here, once.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from hsserve.request import (
-    GenerationRequest,
-    HiddenStatesMode,
-    RequestError,
-    SamplingParams,
-)
+from hsserve.request import GenerationRequest, HiddenStatesMode, RequestError, SamplingParams
+from hsserve.triton import dialects
+from hsserve.triton.values import (as_bool, as_float, as_int, as_int_list, as_str, as_str_list)
 
 INPUTS = (
-    "text_input", "input_ids", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed",
-    "stop", "stop_token_ids", "ignore_eos", "n", "sampling_parameters", "MODE", "hidden_layers",
+    "text_input", "input_ids", "stream", "max_tokens", "min_tokens", "temperature", "top_p",
+    "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "sampling_parameters", "MODE",
+    "hidden_layers", "exclude_input_in_output", "num_logprobs", *dialects.RETURNS,
+    *dialects.TRTLLM_INPUTS,
 )
 OUTPUTS = (
     "text_output", "output_ids", "HIDDEN_STATES", "finish_reason", "num_input_tokens",
-    "num_output_tokens", "sequence_index",
+    "num_output_tokens", "sequence_index", "output_logprobs", "top_logprob_ids", "top_logprobs",
+    "cumulative_logprob", "logprobs",
 )
 
-
-def _as_int(name: str, v: Any, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer, float, np.floating)):
-        raise RequestError(name, f"expected an integer, got {type(v).__name__} {v!r}")
-    if isinstance(v, (float, np.floating)):
-        if not math.isfinite(v) or v != int(v):
-            raise RequestError(name, f"expected an integer, got {v!r}")
-    iv = int(v)
-    if not lo <= iv <= hi:
-        raise RequestError(name, f"{iv} is outside {lo}..{hi}")
-    return iv
-
-
-def _as_float(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise RequestError(name, f"expected a number, got {type(v).__name__} {v!r}")
-    f = float(v)
-    if not math.isfinite(f):
-        raise RequestError(name, f"expected a finite number, got {v!r}")
-    return f
-
-
-def _as_bool(name: str, v: Any) -> bool:
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    if isinstance(v, str) and v.lower() in ("true", "false"):
-        return v.lower() == "true"
-    raise RequestError(name, f"expected true or false, got {v!r}")
-
-
-def _as_str(name: str, v: Any) -> str:
-    if isinstance(v, bytes):
-        try:
-            return v.decode("utf-8")
-        except UnicodeDecodeError:
-            raise RequestError(name, "is not valid UTF-8") from None
-    if isinstance(v, str):
-        return v
-    raise RequestError(name, f"expected a string, got {type(v).__name__} {v!r}")
-
-
-def _as_str_list(name: str, v: Any) -> tuple[str, ...]:
-    if isinstance(v, (str, bytes)):
-        return (_as_str(name, v),)
-    if isinstance(v, (list, tuple, np.ndarray)):
-        return tuple(_as_str(name, x) for x in v)
-    raise RequestError(name, f"expected a string or a list of strings, got {v!r}")
-
-
-def _as_int_list(name: str, v: Any, lo: int, hi: int) -> tuple[int, ...]:
-    if isinstance(v, (list, tuple, np.ndarray)):
-        return tuple(_as_int(name, x, lo, hi) for x in v)
-    return (_as_int(name, v, lo, hi),)
-
-
+_INT32 = 2**31 - 1
 # Settings that may also come through the JSON / request parameters, with their parsers.
 _SETTINGS: dict[str, Callable[[str, Any], Any]] = {
-    "max_tokens": lambda n, v: _as_int(n, v, 0, 2**31 - 1),
-    "temperature": _as_float,
-    "top_p": _as_float,
-    "top_k": lambda n, v: _as_int(n, v, -1, 2**31 - 1),
-    "seed": lambda n, v: _as_int(n, v, 0, 2**64 - 1),
-    "stop": _as_str_list,
-    "stop_token_ids": lambda n, v: _as_int_list(n, v, 0, 2**31 - 1),
-    "ignore_eos": _as_bool,
-    "n": lambda n, v: _as_int(n, v, 1, 2**31 - 1),
-    "MODE": _as_str,
-    "hidden_layers": lambda n, v: _as_int_list(n, v, -(2**31), 2**31 - 1),
-    "stream": _as_bool,
+    "max_tokens": lambda n, v: as_int(n, v, 0, _INT32),
+    "min_tokens": lambda n, v: as_int(n, v, 0, _INT32),
+    "temperature": as_float,
+    "top_p": as_float,
+    "top_k": lambda n, v: as_int(n, v, -1, _INT32),
+    "seed": lambda n, v: as_int(n, v, 0, 2**64 - 1),
+    "stop": as_str_list,
+    "stop_token_ids": lambda n, v: as_int_list(n, v, 0, _INT32),
+    "ignore_eos": as_bool,
+    "n": lambda n, v: as_int(n, v, 1, _INT32),
+    "MODE": as_str,
+    "hidden_layers": lambda n, v: as_int_list(n, v, -(2**31), _INT32),
+    "stream": as_bool,
+    "exclude_input_in_output": as_bool,
+    "num_logprobs": lambda n, v: as_int(n, v, 0, _INT32),
+    **dict.fromkeys(dialects.RETURNS, as_bool),
 }
+_ALIASES = {"logprobs": "num_logprobs"}  # NOTE: vllm_backend's JSON name for the same setting
 _SCALAR_INPUTS = {
-    "stream", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "MODE",
-    "text_input", "sampling_parameters",
+    "stream", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
+    "n", "MODE", "text_input", "sampling_parameters", "exclude_input_in_output", "min_length",
+    "random_seed", "num_logprobs", *dialects.RETURNS,
 }
 
 
@@ -110,11 +62,13 @@ _SCALAR_INPUTS = {
 class ParsedRequest:
     request: GenerationRequest
     stream: bool
+    echo: bool = False  # a non-streamed text_output starts with the prompt (vllm_backend's)
+    returns: frozenset = frozenset()  # vllm_backend's return_* outputs, on every response
 
 
 def _json_settings(source: str, raw: Any) -> dict[str, Any]:
     if isinstance(raw, (bytes, str)):
-        text = _as_str(source, raw)
+        text = as_str(source, raw)
         if not text.strip():
             return {}
         try:
@@ -134,52 +88,76 @@ def _tensor_value(name: str, arr: np.ndarray) -> Any:
     return arr.reshape(-1)
 
 
+def _settings(tensors: Mapping[str, np.ndarray], parameters) -> dict[str, Any]:
+    """Every setting given, by precedence (later sources overwrite earlier ones)."""
+    values: dict[str, Any] = {}
+    # request parameters: unknown keys are ignored (Triton and clients add their own)
+    params = _json_settings("parameters", parameters) if parameters else {}
+    for name, v in params.items():
+        key = _ALIASES.get(name, name)
+        if key in _SETTINGS:
+            values[key] = _SETTINGS[key](name, dialects.unstring(name, key, v))
+    if "sampling_parameters" in tensors:
+        js = _json_settings("sampling_parameters", _tensor_value("sampling_parameters",
+                                                                  tensors["sampling_parameters"]))
+        unknown = sorted(set(js) - set(_SETTINGS) - set(_ALIASES))
+        if unknown:
+            allowed = sorted(set(_SETTINGS) | set(_ALIASES))
+            raise RequestError("sampling_parameters", f"unknown field(s) {unknown}; allowed: {allowed}")
+        for field, v in js.items():
+            key, name = _ALIASES.get(field, field), f"sampling_parameters.{field}"
+            values[key] = _SETTINGS[key](name, dialects.unstring(name, key, v))
+    for name, arr in tensors.items():
+        if name in ("text_input", "input_ids", "sampling_parameters"):
+            continue
+        key = dialects.TRTLLM_RENAMES.get(name, name)
+        if key in _SETTINGS:
+            values[key] = _SETTINGS[key](name, _tensor_value(name, arr))
+        elif name in dialects.TRTLLM_INPUTS:
+            dialects.trtllm_value(name, arr, values)
+        else:
+            raise RequestError(name, f"is not an input of this model; inputs: {list(INPUTS)}")
+    return values
+
+
 def parse_request(
     request_id: str,
     tensors: Mapping[str, np.ndarray],
     parameters: Mapping[str, Any] | str | None,
     default_max_tokens: int,
+    exclude_input_default: bool = True,
 ) -> ParsedRequest:
-    """Build the engine request; raises RequestError naming the offending input."""
-    values: dict[str, Any] = {}
-    # request parameters: unknown keys are ignored (Triton and clients add their own)
-    params = _json_settings("parameters", parameters) if parameters else {}
-    for key, v in params.items():
-        if key in _SETTINGS:
-            values[key] = _SETTINGS[key](key, v)
-    if "sampling_parameters" in tensors:
-        js = _json_settings("sampling_parameters", _tensor_value("sampling_parameters",
-                                                                  tensors["sampling_parameters"]))
-        unknown = sorted(set(js) - set(_SETTINGS))
-        if unknown:
-            raise RequestError(
-                "sampling_parameters", f"unknown field(s) {unknown}; allowed: {sorted(_SETTINGS)}"
-            )
-        for key, v in js.items():
-            values[key] = _SETTINGS[key](f"sampling_parameters.{key}", v)
-    for name, arr in tensors.items():
-        if name in ("text_input", "input_ids", "sampling_parameters"):
-            continue
-        if name not in _SETTINGS:
-            raise RequestError(name, f"is not an input of this model; inputs: {list(INPUTS)}")
-        values[name] = _SETTINGS[name](name, _tensor_value(name, arr))
-
+    """Build the engine request; raises RequestError naming the offending input.
+    exclude_input_default: whether a non-streamed response leaves the prompt out when the
+    request does not say (`exclude_input_in_output`)."""
+    values = _settings(tensors, parameters)
     prompt = prompt_ids = None
     if "text_input" in tensors:
-        prompt = _as_str("text_input", _tensor_value("text_input", tensors["text_input"]))
+        prompt = as_str("text_input", _tensor_value("text_input", tensors["text_input"]))
     if "input_ids" in tensors:
-        prompt_ids = [_as_int("input_ids", x, 0, 2**31 - 1) for x in tensors["input_ids"].reshape(-1)]
+        prompt_ids = [as_int("input_ids", x, 0, _INT32) for x in tensors["input_ids"].reshape(-1)]
+    stop_ids = values.get("stop_token_ids", ())
+    if "end_id" in values:
+        stop_ids = (*stop_ids, values["end_id"])
+    returns = frozenset(out for flag, out in dialects.RETURNS.items() if values.get(flag))
+    logprobs = values.get("num_logprobs")
+    if logprobs is None and returns & {"logprobs", "cumulative_logprob"}:
+        logprobs = 0  # NOTE: the return_* flags alone ask for the sampled tokens' own
     sampling = SamplingParams(
         max_tokens=values.get("max_tokens", default_max_tokens),
+        min_tokens=values.get("min_tokens", 0),
         temperature=values.get("temperature", 1.0),
         top_p=values.get("top_p", 1.0),
         top_k=values.get("top_k", 0),
         seed=values.get("seed"),
         stop=values.get("stop", ()),
-        stop_token_ids=values.get("stop_token_ids", ()),
+        stop_token_ids=stop_ids,
         ignore_eos=values.get("ignore_eos", False),
         n=values.get("n", 1),
+        logprobs=logprobs,
     )
+    stream = values.get("stream", False)
+    exclude = values.get("exclude_input_in_output", exclude_input_default)
     return ParsedRequest(
         GenerationRequest(
             request_id=request_id,
@@ -187,8 +165,9 @@ def parse_request(
             prompt_ids=prompt_ids,
             sampling=sampling,
             hidden_mode=values.get("MODE", HiddenStatesMode.NONE),
-            hidden_layers=values.get("hidden_layers", (-1,)),
+            hidden_layers=values.get("hidden_layers"),
         ),
-        stream=values.get("stream", False),
+        stream=stream,
+        echo=not exclude and not stream and prompt is not None,
+        returns=returns,
     )
-
