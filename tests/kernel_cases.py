@@ -298,3 +298,23 @@ def check_gemv_rotary_store(device, dtype, heads, kv_heads, head_dim, k, rms, se
         if slot < 0:
             assert torch.equal(kv.double(), want_kv)
         _close(kv, want_kv, dtype)
+
+
+def check_token_logprob(device, rows, vocab, seed=0):
+    """The one-pass kernel equals the torch reference: log-probability and logsumexp to
+    rounding, the rank exactly (ties with the chosen logit do not count)."""
+    from hsserve.kernels.token_logprob import token_logprob_ref, token_logprob_triton
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (torch.randn(rows, vocab, generator=g) * 4).to(device)
+    tokens = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    if rows > 1:
+        x[1, tokens[1]] = x[1].max() + 1  # NOTE: the most likely: rank 1
+    if rows > 2:
+        x[2, : vocab // 2] = float("-inf")  # NOTE: a masked half (min_tokens-like)
+        tokens[2] = vocab - 1
+    got, want = token_logprob_triton(x, tokens), token_logprob_ref(x, tokens)
+    assert torch.allclose(got[:, [0, 2]], want[:, [0, 2]], rtol=0, atol=1e-4), (got, want)
+    assert torch.equal(got[:, 1], want[:, 1])
+    if rows > 1:
+        assert got[1, 1] == 1

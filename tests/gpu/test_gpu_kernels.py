@@ -84,6 +84,13 @@ def test_embed_rotary_matches_reference(dtype, rows, hidden, head_dim):
 
 
 @pytest.mark.parametrize("rows, vocab", [(1, 128256), (3, 49152), (64, 128256), (5, 1000)])
+def test_token_logprob_matches_reference(rows, vocab):
+    from kernel_cases import check_token_logprob
+
+    check_token_logprob("cuda", rows, vocab)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 128256), (3, 49152), (64, 128256), (5, 1000)])
 def test_argmax_matches_torch(rows, vocab):
     from kernel_cases import check_argmax
 

@@ -98,6 +98,13 @@ def test_embed_rotary_matches_reference(rows):
 
 
 @pytest.mark.parametrize("rows, vocab", [(1, 5000), (3, 4097)])
+def test_token_logprob_matches_reference(rows, vocab):
+    from kernel_cases import check_token_logprob
+
+    check_token_logprob("cpu", rows, vocab)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 5000), (3, 4097)])
 def test_argmax_matches_torch(rows, vocab):
     from kernel_cases import check_argmax
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hsserve.engine.transfer import download, upload
+from hsserve.kernels.token_logprob import token_logprob
 from hsserve.request import SamplingParams, TokenLogprob
 
 
@@ -22,8 +23,7 @@ class StepLogprobs:
 
     rows: list[int]  # which sampling rows (in the step's order of sampling chunks)
     ks: list[int]  # top alternatives asked by each
-    chosen: torch.Tensor  # [r] float32: the sampled token's log-probability
-    rank: torch.Tensor  # [r] int64
+    stats: torch.Tensor  # [r, 3] float32: the sampled token's log-probability, rank, logsumexp
     top_ids: torch.Tensor | None  # [r, K] (K: the largest k), None when every k is 0
     top_values: torch.Tensor | None
 
@@ -35,17 +35,16 @@ def step_logprobs(logits: torch.Tensor, samples: torch.Tensor,
     if not rows:
         return None
     idx = upload(rows, logits.device) if len(rows) < len(params) else None
-    x = logits if idx is None else logits[idx]
-    lp = torch.log_softmax(x.float(), dim=-1)
+    x = (logits if idx is None else logits[idx]).float()
     tok = samples[: len(params)] if idx is None else samples[idx]
-    chosen = lp.gather(1, tok[:, None])[:, 0]
-    rank = (lp > chosen[:, None]).sum(dim=1) + 1
+    # NOTE: one pass, one launch: the log-softmax is never materialized
+    stats = token_logprob(x, tok)
     ks = [params[i].logprobs for i in rows]
     top_ids = top_values = None
     if max(ks):
-        top = lp.topk(max(ks), dim=-1)
-        top_ids, top_values = download(top.indices), download(top.values)
-    return StepLogprobs(rows, ks, download(chosen), download(rank), top_ids, top_values)
+        top = x.topk(max(ks), dim=-1)
+        top_ids, top_values = download(top.indices), download(top.values - stats[:, 2:])
+    return StepLogprobs(rows, ks, download(stats), top_ids, top_values)
 
 
 def token_logprobs(found: StepLogprobs | None, sampled: list[bool]) -> list[TokenLogprob | None]:
@@ -55,11 +54,11 @@ def token_logprobs(found: StepLogprobs | None, sampled: list[bool]) -> list[Toke
     if found is None:
         return out
     chunk_of = [i for i, f in enumerate(sampled) if f]
-    chosen, rank = found.chosen.tolist(), found.rank.tolist()
+    stats = found.stats.tolist()
     ids = found.top_ids.tolist() if found.top_ids is not None else None
     values = found.top_values.tolist() if found.top_values is not None else None
     for j, (row, k) in enumerate(zip(found.rows, found.ks)):
         top_i = ids[j][:k] if ids is not None else []
         top_v = values[j][:k] if values is not None else []
-        out[chunk_of[row]] = TokenLogprob(chosen[j], rank[j], top_i, top_v)
+        out[chunk_of[row]] = TokenLogprob(stats[j][0], int(stats[j][1]), top_i, top_v)
     return out
