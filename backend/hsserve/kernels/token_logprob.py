@@ -25,7 +25,8 @@ def _token_logprob_kernel(X, TOK, OUT, stride_x, n, BLOCK: tl.constexpr):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + r * stride_x + cols, mask=cols < n, other=float("-inf"))
         m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # NOTE: -inf - -inf would be NaN
+        s = s * tl.exp(m - ref) + tl.sum(tl.exp(x - ref), 0)
         m = m_new
         above += tl.sum((x > picked).to(tl.int32), 0)
     lse = m + tl.log(s)
