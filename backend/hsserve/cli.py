@@ -40,6 +40,12 @@ def _generate(args) -> int:
     return 0
 
 
+def _extract(args) -> int:
+    from hsserve.extract.run import main
+
+    return main(args)
+
+
 def _serve(args) -> int:
     import signal
 
@@ -85,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--mode", default="none")
     g.add_argument("--layers", type=int, nargs="+", default=[-1])
     g.set_defaults(fn=_generate)
+    x = sub.add_parser("extract", help="hidden states of a JSONL dataset into sharded safetensors")
+    from hsserve.extract.run import add_arguments
+
+    add_arguments(x)
+    x.set_defaults(fn=_extract)
     s = sub.add_parser("serve", help="start tritonserver on the model repository")
     s.add_argument("--model-repository", default="model_repository")
     s.add_argument("--http-port", type=int, default=8000)
