@@ -22,7 +22,8 @@ from hsserve.extract import open_shards
 
 RECORDS = [{"text": "The capital of France is", "id": "paris"}, {"input_ids": [504, 3458, 282]},
            "not json", {"messages": [{"role": "user", "content": "Name a prime number."}]},
-           {"text": ""}] + [{"text": f"Fact number {i}: water boils at"} for i in range(6)]
+           {"text": ""}, {"input_ids": [5, 10**6]}]  # NOTE: the last refused by the engine
+RECORDS += [{"text": f"Fact number {i}: water boils at"} for i in range(6)]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def records(folder):
 def test_local_rows_equal_transformers(dataset, tmp_path, hf_model, smollm_dir, max_tokens):
     assert extract(dataset, tmp_path, "--local", "--max-tokens", max_tokens) == 0
     ids, recs = records(tmp_path)
-    assert ids == ["paris", "1", "3"] + [str(i) for i in range(5, 11)], "bad lines 2 and 4 skipped"
+    assert ids == ["paris", "1", "3"] + [str(i) for i in range(6, 12)], "bad lines skipped"
     hf = hf_model(smollm_dir)
     for tokens, rows in recs:
         assert rows.shape == (len(tokens), 3 * 576)
@@ -53,6 +54,12 @@ def test_local_rows_equal_transformers(dataset, tmp_path, hf_model, smollm_dir, 
     plain = load_file(str(tmp_path / "shard-00000.safetensors"))
     assert plain["offsets"][0] == 0 and plain["input_ids"].dtype == torch.int32
     assert int(plain["offsets"][-1]) == plain["hidden_states"].shape[0]
+
+
+def test_eagle3_layers():
+    from hsserve.extract.run import eagle3_layers
+
+    assert eagle3_layers(32) == (2, 16, 29) and eagle3_layers(30) == (2, 15, 27)
 
 
 def test_server_equals_local(dataset, tmp_path, triton_server):
