@@ -265,3 +265,18 @@ def test_prefill_wait_gathers_prompts_arriving_while_others_decode(tiny_model_di
         assert endless.result(timeout=60).finish_reason == FinishReason.CANCELLED
     finally:
         engine.shutdown()
+
+
+def test_mode_none_needs_no_captured_layer(tiny_model_dir):
+    """A server capturing only some layers (not the last) serves MODE none requests; the default
+    layer [-1] is asked only with rows, and refused there by name."""
+    engine = Engine(EngineConfig(model=tiny_model_dir("llama"), device="cpu",
+                                 hidden_layers_captured=(1,))).start()
+    try:
+        res = engine.generate(GenerationRequest("none", prompt_ids=[5, 6], sampling=SamplingParams(
+            max_tokens=2, temperature=0.0)), timeout=60)
+        assert len(res.token_ids) == 2 and res.hidden is None
+        with pytest.raises(RequestError, match="not captured"):
+            engine.submit(GenerationRequest("last", prompt_ids=[5], hidden_mode="last"))
+    finally:
+        engine.shutdown()

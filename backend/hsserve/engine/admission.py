@@ -109,12 +109,13 @@ class Admission:
         given = request.hidden_layers
         if given is not None and not len(given):
             raise RequestError("hidden_layers", "empty; give at least one layer index")
-        layers = tuple(self.normalize_layer(k) for k in (given if given is not None else (-1,)))
+        if given is None:
+            # NOTE: MODE none asks for no layer: never the default, which may not be captured
+            return ids, mode, () if mode == HiddenStatesMode.NONE else (self.normalize_layer(-1),)
+        layers = tuple(self.normalize_layer(k) for k in given)  # NOTE: checked whatever MODE is
         if mode == HiddenStatesMode.NONE:
-            if given is not None:
-                raise RequestError("hidden_layers", f"{list(given)} given while MODE is none; "
-                                   "set MODE to last or full to get hidden states")
-            layers = ()
+            raise RequestError("hidden_layers", f"{list(given)} given while MODE is none; "
+                               "set MODE to last or full to get hidden states")
         return ids, mode, layers
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:

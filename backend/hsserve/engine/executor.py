@@ -45,7 +45,7 @@ class Executor:
         self.dtype = model.embed.dtype
         self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
         self.group = model.spec.num_heads // model.spec.num_kv_heads
-        self.eos_ids = frozenset(getattr(model.spec, "eos_token_ids", ()))
+        self.eos_ids = frozenset(model.spec.eos_token_ids)
         self._sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
         # NOTE: MODE=last rows kept on the device are copied out on this stream, past the steps
         # queued after theirs
@@ -155,16 +155,19 @@ class Executor:
         """The sampling chunks' tokens (host copy) and log-probabilities where asked. greedy: a
         graph replay's own argmax samples (used when every row of it is plainly greedy)."""
         params = [c.seq.sampling for c in sampling]
-        banned = [banned_tokens(p, self.eos_ids, c.end - c.seq.num_prompt_tokens)
-                  for c, p in zip(sampling, params)]
-        if greedy is not None and every_row and all(p.greedy for p in params) and not any(banned):
+        banned = None
+        if any(p.min_tokens for p in params):  # NOTE: most steps: nobody's min_tokens
+            banned = [banned_tokens(p, self.eos_ids, c.end - c.seq.num_prompt_tokens)
+                      for c, p in zip(sampling, params)]
+        if greedy is not None and every_row and all(p.greedy for p in params) and not any(
+                banned or ()):
             samples, tokens = self.sampled, greedy  # NOTE: the replay's argmax wrote both
         else:
             samples, tokens = self._sample(logits, sampling, params, banned)
         return tokens, step_logprobs(logits, samples, params)
 
     def _sample(self, logits: torch.Tensor, sampling: list[Chunk], params,
-                banned: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                banned: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples of the sampling chunks, written where a step queued ahead reads its inputs:
         (on the device, host copy)."""
         where = self.sampled[: len(sampling)]

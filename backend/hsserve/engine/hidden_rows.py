@@ -4,10 +4,11 @@
   rows of each chunk are captured: full: every row not yet produced; last: the row of a chunk
   whose token may be the sequence's last (known to be, or queued ahead, when it is read later).
 - `StepRows` is one step's captured rows; a sequence's are cut out in the output dtype, once.
-- A `RowLedger` per sequence holds what was captured and not published (full: rows; last: where
-  the latest row is) and how many rows went out; a delta carries the rows of its own tokens, and
+- A `RowLedger` per sequence holds what was captured and not published (full: rows, and how
+  many were captured; last: where the latest row is); a delta carries the rows of its own tokens, and
   in last mode the final delta carries the one row.
-The scheduler and the outputs ask wants_final_row / covers_every_prompt_row. Index convention: transformers' hidden_states[k] (models/hidden_capture).
+The scheduler and the outputs ask wants_final_row / covers_every_prompt_row. Index convention:
+transformers' hidden_states[k] (models/hidden_capture).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ class RowPlan:
 
 @dataclass(slots=True)
 class RowLedger:
-    num_sent: int = 0  # full: rows published
     num_done: int = 0  # full: rows captured (published or pending)
     pending: list[torch.Tensor] = field(default_factory=list)  # full: captured, not published
     last: tuple[StepRows, int] | None = None  # last: the latest row (its step's rows, index)
@@ -211,7 +211,6 @@ class HiddenRows:
         if seq.hidden_mode is _FULL and ledger.pending:
             rows = torch.cat(ledger.pending) if len(ledger.pending) > 1 else ledger.pending[0]
             ledger.pending = []
-            ledger.num_sent += len(rows)
             return rows
         if final and ledger.last is not None:
             rows, first = ledger.last

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -70,17 +70,5 @@ class RequestStream:
 
 def _collect(request_id: str, deltas: list[Delta]) -> Result:
     d = Delta.merge(deltas)
-    return Result(
-        request_id=request_id,
-        token_ids=d.token_ids,
-        text=d.text,
-        hidden=d.hidden,
-        finish_reason=d.finish_reason,
-        num_input_tokens=d.num_input_tokens,
-        num_output_tokens=d.num_output_tokens,
-        error=d.error,
-        num_deltas=len(deltas),
-        sequence_index=d.sequence_index,
-        logprobs=d.logprobs,
-        cumulative_logprob=d.cumulative_logprob,
-    )
+    same = {f.name: getattr(d, f.name) for f in fields(Result) if hasattr(d, f.name)}
+    return Result(**{**same, "request_id": request_id, "num_deltas": len(deltas)})
