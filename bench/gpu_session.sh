@@ -4,7 +4,7 @@
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
 # PART: tests triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
-# profile1 host none. The one-off A/B scripts' parts went with them to bench/archive/.
+# profile1 host logprobs none. The one-off A/B scripts' parts went with them to bench/archive/.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -43,6 +43,10 @@ for part in $parts; do
               --repeats 4 --no-hf --out "$OUT/h200_decode_8b.json" 2>&1 | grep "^{\|Error" ;;
     decode_nopdl) timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 1 64 \
               --repeats 3 --no-hf --no-pdl --out "$OUT/h200_decode_nopdl.json" 2>&1 | grep "^{\|Error" ;;
+    logprobs) for k in ${LOGPROBS_K:-0 5}; do
+                timeout 150 python3 bench/gpu_decode.py --shapes llama-1b --batches-1b 64 --repeats 3 \
+                  --no-hf --logprobs "$k" --out "$OUT/h200_decode_logprobs_k$k.json" 2>&1 | grep "^{\|Error"
+              done ;;
     profile1) timeout 100 python3 bench/gpu_profile.py --batches 1 --top 24 2>&1 | grep -v "^\[W" ;;
     none) ;;  # NOTE: the set-up only
     *) echo "gpu_session.sh: unknown part $part" >&2 ;;

@@ -217,6 +217,52 @@ def check_argmax(device, rows, vocab, seed=0):
     assert torch.equal(host[1, :rows], x.argmax(dim=-1).cpu()), "the host slot the device names"
     assert (host[0] == -1).all() and (host[2] == -1).all() and host[1, rows] == -1, \
         "nothing written to the host outside that slot's rows"
+    # the logsumexp and the argmax's log-probability, on the device and in the host slot
+    lse = torch.full((rows + 1,), -1.0, device=device)
+    host_lp = torch.full((2, 2, rows + 1), -1.0, pin_memory=device == "cuda")
+    argmax_triton(x, out=buf[1 : rows + 1], host=(host, slot), lse=(lse[:rows], host_lp))
+    want = torch.logsumexp(x, dim=-1)
+    finite = want.isfinite()
+    # NOTE: on the GPU the kernel's exp / log are the hardware's approximations (ex2 / lg2)
+    assert (lse[:rows][finite] - want[finite]).abs().max() <= 5e-4 and lse[rows] == -1
+    got = host_lp[1, :, :rows].to(device)
+    assert (got[1][finite] - want[finite]).abs().max() <= 5e-4
+    assert (got[0][finite] - (x.max(dim=-1).values - want)[finite]).abs().max() <= 5e-4
+    assert (host_lp[0] == -1).all() and (host_lp[1, :, rows] == -1).all()
+    if rows > 2:
+        assert got[1, 2] == float("-inf"), "an all -inf row's logsumexp"
+
+
+def check_topk_logprobs(device, rows, vocab, k, seed=0):
+    """The two-pass top-k equals torch's: ids exactly (ties: the lowest id), log-probabilities to
+    rounding; a row whose top values tie across slices; a row mostly -inf."""
+    import triton
+
+    from hsserve.kernels.topk import topk_logprobs, topk_logprobs_ref, topk_logprobs_triton
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    if rows > 1:
+        x[1, [vocab - 1, 9, vocab // 2, 3]] = 40.0  # NOTE: four-way tie: 3, 9, vocab // 2, vocab - 1
+    if rows > 2:
+        x[2, : vocab - 2] = float("-inf")
+    x = x.to(device)
+    lse = torch.logsumexp(x, dim=-1)
+    K = triton.next_power_of_2(k)
+    full = topk_logprobs_triton(x, lse, K)
+    got, want = torch.cat([full[:, :k], full[:, K : K + k]], dim=1), topk_logprobs_ref(x, lse, k)
+    if device == "cuda":
+        assert torch.equal(topk_logprobs(x, lse, k), got)
+    live = want[:, k:].isfinite()
+    plain = torch.ones(rows, dtype=torch.bool)
+    plain[1:3] = False  # NOTE: torch's order among ties is unspecified
+    assert torch.equal(got[plain, :k], want[plain, :k])
+    assert (got[:, k:][live] - want[:, k:][live]).abs().max() <= 1e-5
+    if rows > 1:
+        assert got[1, : min(k, 4)].tolist() == [3.0, 9.0, float(vocab // 2), float(vocab - 1)][:k]
+    if rows > 2 and k >= 2:
+        assert got[2, :2].tolist() == sorted([float(vocab - 2), float(vocab - 1)],
+                                             key=lambda i: -x[2, int(i)].item())
 
 
 def check_embed_rotary(device, dtype, rows, hidden, head_dim, seed=0):

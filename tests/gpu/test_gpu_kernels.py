@@ -90,6 +90,14 @@ def test_token_logprob_matches_reference(rows, vocab):
     check_token_logprob("cuda", rows, vocab)
 
 
+@pytest.mark.parametrize("rows, vocab, k", [(1, 128256, 5), (3, 49152, 20), (64, 128256, 8),
+                                           (5, 1000, 3)])
+def test_topk_logprobs_matches_torch(rows, vocab, k):
+    from kernel_cases import check_topk_logprobs
+
+    check_topk_logprobs("cuda", rows, vocab, k)
+
+
 @pytest.mark.parametrize("rows, vocab", [(1, 128256), (3, 49152), (64, 128256), (5, 1000)])
 def test_argmax_matches_torch(rows, vocab):
     from kernel_cases import check_argmax

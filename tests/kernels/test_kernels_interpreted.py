@@ -109,3 +109,10 @@ def test_argmax_matches_torch(rows, vocab):
     from kernel_cases import check_argmax
 
     check_argmax("cpu", rows, vocab)
+
+
+@pytest.mark.parametrize("rows, vocab, k", [(1, 5000, 5), (3, 4097, 4), (3, 3000, 1)])
+def test_topk_logprobs_matches_torch(rows, vocab, k):
+    from kernel_cases import check_topk_logprobs
+
+    check_topk_logprobs("cpu", rows, vocab, k)

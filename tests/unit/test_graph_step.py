@@ -29,6 +29,7 @@ class FakeGraphs:
 
     def __init__(self):
         self.sampled = torch.zeros(self.max_batch, dtype=torch.long)
+        self.lse = torch.zeros(self.max_batch)
         self.calls = []
 
     def run(self, ids, sources, positions, slots, tables, lens, with_rows):
@@ -40,7 +41,10 @@ class FakeGraphs:
         self.sampled[:n] = logits.argmax(-1)  # NOTE: as the real graphs' own argmax does
         rows = torch.arange(n)[:, None, None] * 10 + torch.arange(len(LAYERS))[None, :, None]
         rows = rows.expand(n, len(LAYERS), HIDDEN).float()
-        return logits, rows if with_rows else None, self.sampled[:n].clone()  # NOTE: "pinned"
+        self.lse[:n] = logits.logsumexp(-1)
+        greedy_logprobs = torch.stack([logits.max(-1).values - self.lse[:n], self.lse[:n]])
+        return (logits, rows if with_rows else None, self.sampled[:n].clone(),  # NOTE: "pinned"
+                greedy_logprobs)
 
 
 def make_executor() -> Executor:
@@ -141,12 +145,12 @@ class StaticGraphs(FakeGraphs):
         self.buffer = torch.zeros(self.max_batch, len(LAYERS), HIDDEN)
 
     def run(self, *inputs, with_rows):
-        logits, _, greedy = super().run(*inputs, with_rows=False)
+        logits, _, greedy, greedy_logprobs = super().run(*inputs, with_rows=False)
         n = len(inputs[0])
         if with_rows:
             self.buffer[:n] = (100.0 * len(self.calls) + 10 * torch.arange(n)[:, None, None]
                                + torch.arange(len(LAYERS))[None, :, None])
-        return logits, self.buffer[:n] if with_rows else None, greedy
+        return logits, self.buffer[:n] if with_rows else None, greedy, greedy_logprobs
 
 
 def last_mode_steps(ending: str):
@@ -172,6 +176,38 @@ def last_mode_steps(ending: str):
         a.finish_reason = FinishReason.STOP  # NOTE: as if step 1 sampled EOS for a
     step3 = launch(ex, [Chunk(b, b.num_tokens + 1, 1, ahead=True)], prev=step2)  # rewrites
     return ex, step2, step3
+
+
+def test_logprobs_of_a_greedy_graph_step_come_from_the_replay_and_equal_the_eager_ones():
+    from hsserve.engine.logprobs import token_logprobs
+
+    ex = make_executor()
+    a, b = seq("a", [5, 6, 7]), seq("b", [5, 6])
+    a.sampling = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+    b.sampling = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    for s in (a, b):
+        s.num_computed = s.num_tokens - 1
+    step = launch(ex, [Chunk(s, s.num_computed, 1) for s in (a, b)])
+    assert step.logprobs.ranks is None, "the replay's argmax: no rank kernel"
+    got = token_logprobs(step.logprobs, step.sampled)
+    logits = torch.zeros(2, VOCAB)
+    logits[[0, 1], [3, 4]] = 1.0  # NOTE: FakeGraphs' logits
+    want = logits.log_softmax(-1)
+    assert [e.rank for e in got] == [1, 1]
+    for e, row, token in zip(got, want, (3, 4)):
+        assert abs(e.logprob - row[token].item()) < 1e-6
+    assert got[0].top_ids[0] == 3 and len(got[0].top_ids) == 3 and got[1].top_ids == []
+    assert abs(got[0].top_logprobs[0] - want[0, 3].item()) < 1e-6
+    b.sampling = SamplingParams(max_tokens=8, temperature=0.7, seed=3, logprobs=1)
+    for s in (a, b):
+        s.token_ids.append(3)
+        s.num_computed += 1
+    step = launch(ex, [Chunk(s, s.num_computed, 1) for s in (a, b)])
+    tokens = ex.complete(step)
+    got = token_logprobs(step.logprobs, step.sampled)
+    assert step.logprobs.ranks is not None, "one row samples: the kernel's ranks"
+    assert abs(got[1].logprob - want[1, tokens[1]].item()) < 1e-6
+    assert got[1].rank == (1 if tokens[1] == 4 else 2) and got[1].top_ids == [4]
 
 
 @pytest.mark.parametrize("ending", ["finish", "length"])

@@ -6,8 +6,9 @@ above `none`, a second graph per size that also copies every captured layer's ro
 buffer. A step whose rows are all MODE=none (or not due yet) replays the graph without the copy,
 so it pays nothing for the ceiling. Logits (float32) and every row's greedy sample (the argmax)
 are computed inside the graph; the argmax also writes the samples into pinned host memory (one
-of two host slots, used in turn as the input slots are), so an all-greedy step queues no copy
-after its replay. Other sampling and the rows' device-to-host copies happen after the replay.
+of two host slots, used in turn as the input slots are), with each row's logsumexp and its
+greedy token's log-probability (logprobs), so an all-greedy step queues no copy after its
+replay. Other sampling and the rows' device-to-host copies happen after the replay.
 Nothing is captured after start: `num_captures` proves it.
 
 A row's input token is either given by the host or, when the engine queued this step before it
@@ -107,6 +108,8 @@ class DecodeGraphs:
         self.host_meta = torch.zeros(2, 6, b, dtype=torch.long).pin_memory()
         self.host_meta[1, 5, 0] = 1  # NOTE: each input slot names its own samples slot
         self.host_samples = torch.zeros(2, b, dtype=torch.long).pin_memory()
+        self.host_logprobs = torch.zeros(2, 2, b, dtype=torch.float32).pin_memory()
+        self.lse = torch.zeros(b, dtype=torch.float32, device=dev)
         self.host_tables = torch.zeros(2, b * max_pages, dtype=torch.int32).pin_memory()
         self.tables_stage = torch.zeros(b * max_pages, dtype=torch.int32, device=dev)
         self.host_meta_np, self.host_tables_np = self.host_meta.numpy(), self.host_tables.numpy()
@@ -142,7 +145,8 @@ class DecodeGraphs:
         # above, so rewriting them here is safe): a greedy step needs no kernel launched from
         # Python and no gap after the replay (bench/README.md#argmax-in-the-decode-graphs)
         argmax_rows(self.logits[:size], out=self.sampled[:size],
-                    host=(self.host_samples, self.host_slot))
+                    host=(self.host_samples, self.host_slot),
+                    lse=(self.lse[:size], self.host_logprobs))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -168,10 +172,11 @@ class DecodeGraphs:
             tables: list[list[int]], lens: list[int], with_rows: bool):
         """Replay for len(ids) sequences (`sources` as in fill_host_inputs; `tables` the
         sequences' own block-table lists); returns (logits [n, vocab], rows [n, layers, hidden]
-        or None, greedy [n]) as views of the static buffers (valid until the next run is
-        queued). Each row's greedy sample (the argmax of its logits) is in `sampled`[:n] after
-        the replay, and in the pinned `greedy` once the replay is done (valid until the run
-        after the next is queued)."""
+        or None, greedy [n], greedy_logprobs [2, n]) as views of the static buffers (valid until
+        the next run is queued). Each row's greedy sample (the argmax of its logits) is in
+        `sampled`[:n] and its logsumexp in `lse`[:n] after the replay; the pinned `greedy` and
+        `greedy_logprobs` (the greedy token's log-probability, the logsumexp) hold them once the
+        replay is done (valid until the run after the next is queued)."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         t = self._turn
@@ -188,4 +193,4 @@ class DecodeGraphs:
             self.tables[:n, :width].copy_(stage.view(n, width))
         self.graphs[(size, with_rows and self.rows is not None)].replay()
         rows = self.rows[:n] if with_rows and self.rows is not None else None
-        return self.logits[:n], rows, self.host_samples[t, :n]
+        return self.logits[:n], rows, self.host_samples[t, :n], self.host_logprobs[t, :, :n]

@@ -161,9 +161,11 @@ class Executor:
                       for c, p in zip(sampling, params)]
         if greedy is not None and every_row and all(p.greedy for p in params) and not any(
                 banned or ()):
-            samples, tokens = self.sampled, greedy  # NOTE: the replay's argmax wrote both
-        else:
-            samples, tokens = self._sample(logits, sampling, params, banned)
+            # NOTE: the replay's argmax wrote the samples (device and host) and logprobs' stats
+            tokens, found = greedy
+            return tokens, step_logprobs(logits, self.sampled, params,
+                                         (found, self.graphs.lse[: len(params)]))
+        samples, tokens = self._sample(logits, sampling, params, banned)
         return tokens, step_logprobs(logits, samples, params)
 
     def _sample(self, logits: torch.Tensor, sampling: list[Chunk], params,
@@ -233,7 +235,7 @@ class Executor:
         if keep and len(plan.layers) < len(layers):  # NOTE: only the layers asked for leave the GPU
             column = {k: j for j, k in enumerate(layers)}
             cols, layers = upload([column[k] for k in plan.layers], dev), plan.layers
-        logits, rows, greedy = g.run(
+        logits, rows, greedy, greedy_logprobs = g.run(
             [0 if c.ahead else c.seq.token_ids[c.start] for c in chunks],
             sources,
             [c.start for c in chunks],
@@ -246,6 +248,7 @@ class Executor:
             logits = None
         elif pick is not None:
             logits = logits[pick]
+        greedy = (greedy, greedy_logprobs)
         if not keep:
             return logits, None, [], greedy
         block = rows[keep_index] if keep_index is not None else rows

@@ -14,6 +14,7 @@ import torch
 
 from hsserve.engine.transfer import download, upload
 from hsserve.kernels.token_logprob import token_logprob
+from hsserve.kernels.topk import topk_logprobs
 from hsserve.request import SamplingParams, TokenLogprob
 
 
@@ -21,30 +22,35 @@ from hsserve.request import SamplingParams, TokenLogprob
 class StepLogprobs:
     """Host copies (valid once the step's copies are done) for some of a step's sampling rows."""
 
-    rows: list[int]  # which sampling rows (in the step's order of sampling chunks)
+    rows: list[int]  # which sampling rows asked (in the step's order of sampling chunks)
     ks: list[int]  # top alternatives asked by each
-    stats: torch.Tensor  # [r, 3] float32: the sampled token's log-probability, rank, logsumexp
-    top_ids: torch.Tensor | None  # [r, K] (K: the largest k), None when every k is 0
-    top_values: torch.Tensor | None
+    at: list[int]  # each asked row's entry in values / ranks
+    values: torch.Tensor  # [m] float32: sampled tokens' log-probabilities
+    ranks: torch.Tensor | None  # [m] float32; None: every sample the most likely (greedy)
+    top: torch.Tensor | None  # [len(rows), 2K] (K = max(ks)): ids then log-probabilities
 
 
-def step_logprobs(logits: torch.Tensor, samples: torch.Tensor,
-                  params: list[SamplingParams]) -> StepLogprobs | None:
-    """logits [S, vocab] and samples [S] (on the device) of a step's sampling rows."""
+def step_logprobs(logits: torch.Tensor, samples: torch.Tensor, params: list[SamplingParams],
+                  greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepLogprobs | None:
+    """logits [S, vocab] and samples [S] (on the device) of a step's sampling rows. greedy:
+    when the samples are a decode graph's argmax, its (pinned [2, S]: the argmax's
+    log-probability and logsumexp, device [S] logsumexp): nothing left to compute for k = 0."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
     idx = upload(rows, logits.device) if len(rows) < len(params) else None
     x = (logits if idx is None else logits[idx]).float()
-    tok = samples[: len(params)] if idx is None else samples[idx]
-    # NOTE: one pass, one launch: the log-softmax is never materialized
-    stats = token_logprob(x, tok)
+    if greedy is not None:
+        values, ranks, at = greedy[0][0], None, rows
+        lse = greedy[1] if idx is None else greedy[1][idx]
+    else:
+        # NOTE: one pass, one launch: the log-softmax is never materialized
+        stats = token_logprob(x, samples[: len(params)] if idx is None else samples[idx])
+        host = download(stats)
+        values, ranks, at, lse = host[:, 0], host[:, 1], list(range(len(rows))), stats[:, 2]
     ks = [params[i].logprobs for i in rows]
-    top_ids = top_values = None
-    if max(ks):
-        top = x.topk(max(ks), dim=-1)
-        top_ids, top_values = download(top.indices), download(top.values - stats[:, 2:])
-    return StepLogprobs(rows, ks, download(stats), top_ids, top_values)
+    top = download(topk_logprobs(x, lse, max(ks))) if max(ks) else None
+    return StepLogprobs(rows, ks, at, values, ranks, top)
 
 
 def token_logprobs(found: StepLogprobs | None, sampled: list[bool]) -> list[TokenLogprob | None]:
@@ -54,11 +60,13 @@ def token_logprobs(found: StepLogprobs | None, sampled: list[bool]) -> list[Toke
     if found is None:
         return out
     chunk_of = [i for i, f in enumerate(sampled) if f]
-    stats = found.stats.tolist()
-    ids = found.top_ids.tolist() if found.top_ids is not None else None
-    values = found.top_values.tolist() if found.top_values is not None else None
+    values = found.values.tolist()
+    ranks = found.ranks.tolist() if found.ranks is not None else None
+    top = found.top.tolist() if found.top is not None else None
+    width = max(found.ks)
     for j, (row, k) in enumerate(zip(found.rows, found.ks)):
-        top_i = ids[j][:k] if ids is not None else []
-        top_v = values[j][:k] if values is not None else []
-        out[chunk_of[row]] = TokenLogprob(stats[j][0], int(stats[j][1]), top_i, top_v)
+        e = found.at[j]
+        ids = [int(t) for t in top[j][:k]] if k else []
+        top_v = top[j][width : width + k] if k else []
+        out[chunk_of[row]] = TokenLogprob(values[e], int(ranks[e]) if ranks else 1, ids, top_v)
     return out

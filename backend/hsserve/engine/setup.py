@@ -11,6 +11,7 @@ import torch
 from hsserve.engine.block_pool import BlockPool
 from hsserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from hsserve.engine.cuda_graphs import DecodeGraphs
+from hsserve.kernels.topk import warm_topk
 from hsserve.engine.executor import Executor
 from hsserve.engine.hidden_rows import HiddenRows
 from hsserve.models.decoder import Decoder
@@ -117,6 +118,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         executor.graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs,
                                        -(-max_model_len // bs), graph_layers)
         executor.graphs.capture()
+    if device.type == "cuda" and config.max_logprobs:
+        warm_topk(device, spec.vocab_size, config.max_logprobs)
     return EngineParts(
         spec=spec,
         model=model,
