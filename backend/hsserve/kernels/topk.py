@@ -1,9 +1,11 @@
-"""Each row's k largest logits as log-probabilities (the top alternatives of logprobs), in two
-passes like the argmax: pass 1 takes each vocabulary slice's K largest (K extractions of the max
-from registers), pass 2 the row's K largest of those candidates. torch's top-k over a 128k-wide
-row runs one thread block per row (bench/README.md#logprobs-cost-h200).
+"""Each row's k largest logits as log-probabilities (the top alternatives of logprobs). A row's
+K largest lie in the K slices of the vocabulary whose maxima are largest (a slice holding one
+of them has at most K - 1 slices above it), so: pass 1 takes each slice's max, pass 2 (K
+programs a row) finds the row's j-th best slice and extracts that slice's K largest, pass 3
+merges those K * K candidates. torch's top-k over a 128k-wide row runs one thread block per row
+(bench/README.md#logprobs-cost-h200).
 
-Ties go to the lowest token id, in both passes (a slice's candidates are taken in that order).
+Order: by value, ties to the lowest token id (slices by max, ties to the lowest slice).
 Reference: topk_logprobs_ref (torch), the oracle of the kernel tests and the path off CUDA.
 """
 
@@ -13,18 +15,36 @@ import torch
 import triton
 import triton.language as tl
 
-_SLICE = 2048  # NOTE: vocabulary entries per program of pass 1
+_SLICE = 2048  # NOTE: vocabulary entries per slice
 _MAX_K = 64  # NOTE: above, torch's top-k (K extractions unrolled would not pay)
 
 
 @triton.jit
-def _slice_topk_kernel(X, VALS, IDX, stride_x, n, num_slices, SLICE: tl.constexpr,
-                       K: tl.constexpr):
+def _slice_max_kernel(X, SMAX, stride_x, n, num_slices, SLICE: tl.constexpr):
     r = tl.program_id(0)
     sl = tl.program_id(1)
     cols = sl * SLICE + tl.arange(0, SLICE)
     x = tl.load(X + r * stride_x + cols, mask=cols < n, other=float("-inf"))
-    at = (r * num_slices + sl) * K
+    tl.store(SMAX + r * num_slices + sl, tl.max(x, 0))
+
+
+@triton.jit
+def _slice_topk_kernel(X, SMAX, VALS, IDX, stride_x, n, num_slices, SLICE: tl.constexpr,
+                       K: tl.constexpr, PAD: tl.constexpr):
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    s = tl.arange(0, PAD)
+    m = tl.load(SMAX + r * num_slices + s, mask=s < num_slices, other=float("-inf"))
+    sl = 0
+    for i in tl.static_range(K):  # NOTE: the row's j-th slice by max
+        best = tl.max(m, 0)
+        first = tl.min(tl.where(m == best, s, PAD), 0)
+        sl = tl.where(i == j, first, sl)
+        m = tl.where(s == first, float("-inf"), m)
+    # NOTE: j past the row's slices picks a slice again: its candidates merge away as duplicates
+    cols = sl * SLICE + tl.arange(0, SLICE)
+    x = tl.load(X + r * stride_x + cols, mask=cols < n, other=float("-inf"))
+    at = (r * K + j) * K
     for i in tl.static_range(K):
         best = tl.max(x, 0)
         first = tl.minimum(tl.min(tl.where(x == best, cols, n), 0), n - 1)
@@ -34,19 +54,18 @@ def _slice_topk_kernel(X, VALS, IDX, stride_x, n, num_slices, SLICE: tl.constexp
 
 
 @triton.jit
-def _merge_topk_kernel(VALS, IDX, LSE, OUT, total, K: tl.constexpr, PAD: tl.constexpr):
+def _merge_topk_kernel(VALS, IDX, LSE, OUT, K: tl.constexpr):
     r = tl.program_id(0)
-    pos = tl.arange(0, PAD)
-    v = tl.load(VALS + r * total + pos, mask=pos < total, other=float("-inf"))
+    pos = tl.arange(0, K * K)
+    v = tl.load(VALS + r * K * K + pos)
+    ids = tl.load(IDX + r * K * K + pos)
     lse = tl.load(LSE + r)
     for i in tl.static_range(K):
         best = tl.max(v, 0)
-        first = tl.min(tl.where(v == best, pos, PAD), 0)  # NOTE: slice order = token order
-        first = tl.minimum(first, total - 1)
-        token = tl.load(IDX + r * total + first)
+        token = tl.min(tl.where(v == best, ids, 2147483647), 0)  # NOTE: ties: the lowest id
         tl.store(OUT + r * 2 * K + i, token.to(tl.float32))
         tl.store(OUT + r * 2 * K + K + i, best - lse)
-        v = tl.where(pos == first, float("-inf"), v)
+        v = tl.where((v == best) & (ids == token), float("-inf"), v)  # NOTE: and its duplicates
 
 
 def topk_logprobs_ref(logits: torch.Tensor, lse: torch.Tensor, k: int) -> torch.Tensor:
@@ -68,18 +87,21 @@ def topk_logprobs(logits: torch.Tensor, lse: torch.Tensor, k: int) -> torch.Tens
 
 
 def topk_logprobs_triton(logits: torch.Tensor, lse: torch.Tensor, k: int) -> torch.Tensor:
+    """k: a power of two."""
     rows, n = logits.shape
-    assert logits.stride(-1) == 1 and lse.shape == (rows,) and 0 < k <= n
+    assert logits.stride(-1) == 1 and lse.shape == (rows,) and 0 < k <= n and k & (k - 1) == 0
     num_slices = triton.cdiv(n, _SLICE)
     dev = logits.device
-    vals = torch.empty(rows, num_slices * k, dtype=torch.float32, device=dev)
-    idx = torch.empty(rows, num_slices * k, dtype=torch.int32, device=dev)
+    smax = torch.empty(rows, num_slices, dtype=torch.float32, device=dev)
+    vals = torch.empty(rows, k * k, dtype=torch.float32, device=dev)
+    idx = torch.empty(rows, k * k, dtype=torch.int32, device=dev)
     out = torch.empty(rows, 2 * k, dtype=torch.float32, device=dev)
     if rows:
-        _slice_topk_kernel[(rows, num_slices)](logits, vals, idx, logits.stride(0), n,
-                                               num_slices, SLICE=_SLICE, K=k)
-        _merge_topk_kernel[(rows,)](vals, idx, lse.float().contiguous(), out, num_slices * k, K=k,
-                                    PAD=triton.next_power_of_2(num_slices * k))
+        _slice_max_kernel[(rows, num_slices)](logits, smax, logits.stride(0), n, num_slices,
+                                              SLICE=_SLICE)
+        _slice_topk_kernel[(rows, k)](logits, smax, vals, idx, logits.stride(0), n, num_slices,
+                                      SLICE=_SLICE, K=k, PAD=triton.next_power_of_2(num_slices))
+        _merge_topk_kernel[(rows,)](vals, idx, lse.float().contiguous(), out, K=k)
     return out
 
 
