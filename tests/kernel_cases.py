@@ -238,7 +238,7 @@ def check_topk_logprobs(device, rows, vocab, k, seed=0):
     rounding; a row whose top values tie across slices; a row mostly -inf."""
     import triton
 
-    from hsserve.kernels.topk import topk_logprobs, topk_logprobs_ref, topk_logprobs_triton
+    from hsserve.kernels.topk import split_topk, topk_logprobs, topk_logprobs_ref, topk_logprobs_triton
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(rows, vocab, generator=g) * 3
@@ -248,11 +248,12 @@ def check_topk_logprobs(device, rows, vocab, k, seed=0):
         x[2, : vocab - 2] = float("-inf")
     x = x.to(device)
     lse = torch.logsumexp(x, dim=-1)
-    K = triton.next_power_of_2(k)
-    full = topk_logprobs_triton(x, lse, K)
-    got, want = torch.cat([full[:, :k], full[:, K : K + k]], dim=1), topk_logprobs_ref(x, lse, k)
+    full = topk_logprobs_triton(x, lse, triton.next_power_of_2(k))
     if device == "cuda":
-        assert torch.equal(topk_logprobs(x, lse, k), got)
+        assert torch.equal(topk_logprobs(x, lse, k), full)
+    (ids, vals), (want_ids, want_vals) = split_topk(full), split_topk(topk_logprobs_ref(x, lse, k))
+    got = torch.cat([ids[:, :k].float(), vals[:, :k]], dim=1)
+    want = torch.cat([want_ids.float(), want_vals], dim=1)
     live = want[:, k:].isfinite()
     plain = torch.ones(rows, dtype=torch.bool)
     plain[1:3] = False  # NOTE: torch's order among ties is unspecified

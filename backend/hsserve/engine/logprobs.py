@@ -14,7 +14,7 @@ import torch
 
 from hsserve.engine.transfer import download, upload
 from hsserve.kernels.token_logprob import token_logprob
-from hsserve.kernels.topk import topk_logprobs
+from hsserve.kernels.topk import split_topk, topk_logprobs
 from hsserve.request import SamplingParams, TokenLogprob
 
 
@@ -27,7 +27,7 @@ class StepLogprobs:
     at: list[int]  # each asked row's entry in values / ranks
     values: torch.Tensor  # [m] float32: sampled tokens' log-probabilities
     ranks: torch.Tensor | None  # [m] float32; None: every sample the most likely (greedy)
-    top: torch.Tensor | None  # [len(rows), 2K] (K = max(ks)): ids then log-probabilities
+    top: torch.Tensor | None  # packed [len(rows), 2K] (K >= max(ks)), as split_topk reads
 
 
 def step_logprobs(logits: torch.Tensor, samples: torch.Tensor, params: list[SamplingParams],
@@ -62,11 +62,17 @@ def token_logprobs(found: StepLogprobs | None, sampled: list[bool]) -> list[Toke
     chunk_of = [i for i, f in enumerate(sampled) if f]
     values = found.values.tolist()
     ranks = found.ranks.tolist() if found.ranks is not None else None
-    top = found.top.tolist() if found.top is not None else None
-    width = max(found.ks)
+    ids = top_v = None
+    if found.top is not None:
+        ids, top_v = (t.tolist() for t in split_topk(found.top))
+    width = len(ids[0]) if ids else 0
     for j, (row, k) in enumerate(zip(found.rows, found.ks)):
         e = found.at[j]
-        ids = [int(t) for t in top[j][:k]] if k else []
-        top_v = top[j][width : width + k] if k else []
-        out[chunk_of[row]] = TokenLogprob(values[e], int(ranks[e]) if ranks else 1, ids, top_v)
+        if not k:
+            alt_ids, alt_v = [], []
+        elif k == width:  # NOTE: most often every row asks the same k: no slicing
+            alt_ids, alt_v = ids[j], top_v[j]
+        else:
+            alt_ids, alt_v = ids[j][:k], top_v[j][:k]
+        out[chunk_of[row]] = TokenLogprob(values[e], int(ranks[e]) if ranks else 1, alt_ids, alt_v)
     return out

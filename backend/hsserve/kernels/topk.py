@@ -63,27 +63,35 @@ def _merge_topk_kernel(VALS, IDX, LSE, OUT, K: tl.constexpr):
     for i in tl.static_range(K):
         best = tl.max(v, 0)
         token = tl.min(tl.where(v == best, ids, 2147483647), 0)  # NOTE: ties: the lowest id
-        tl.store(OUT + r * 2 * K + i, token.to(tl.float32))
-        tl.store(OUT + r * 2 * K + K + i, best - lse)
+        tl.store(OUT + r * 2 * K + i, token)
+        tl.store(OUT + r * 2 * K + K + i, (best - lse).to(tl.int32, bitcast=True))
         v = tl.where((v == best) & (ids == token), float("-inf"), v)  # NOTE: and its duplicates
 
 
 def topk_logprobs_ref(logits: torch.Tensor, lse: torch.Tensor, k: int) -> torch.Tensor:
-    """[rows, 2k] float32: the k most likely token ids (as floats: exact below 2**24) then their
-    log-probabilities (logit - lse), most likely first."""
+    """Packed int32 [rows, 2k]: the k most likely token ids, most likely first, then their
+    log-probabilities (logit - lse; float32 bits): one buffer, one copy to the host, and ids
+    that need no conversion there (split_topk reads it)."""
     top = logits.float().topk(k, dim=-1)
-    return torch.cat([top.indices.float(), top.values - lse[:, None]], dim=1)
+    values = (top.values - lse[:, None]).view(torch.int32)
+    return torch.cat([top.indices.to(torch.int32), values], dim=1)
+
+
+def split_topk(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int32 [rows, K], log-probabilities float32 [rows, K]), views of a packed result."""
+    width = packed.shape[1] // 2
+    return packed[:, :width], packed[:, width:].view(torch.float32)
 
 
 def topk_logprobs(logits: torch.Tensor, lse: torch.Tensor, k: int) -> torch.Tensor:
-    """As topk_logprobs_ref; the kernels on CUDA for float32 rows, K rounded up to a power of
-    two (a few compiled variants, all warmed at start), the first k kept."""
+    """As topk_logprobs_ref, for K >= k alternatives (the first k are the k asked): the kernels
+    on CUDA for float32 rows with K = k rounded up to a power of two (a few compiled variants,
+    all warmed at start)."""
     K = triton.next_power_of_2(k)
     if (logits.device.type != "cuda" or logits.dtype != torch.float32
             or logits.stride(-1) != 1 or K > min(_MAX_K, logits.shape[1])):
         return topk_logprobs_ref(logits, lse, k)
-    out = topk_logprobs_triton(logits, lse, K)
-    return out if K == k else torch.cat([out[:, :k], out[:, K : K + k]], dim=1)
+    return topk_logprobs_triton(logits, lse, K)
 
 
 def topk_logprobs_triton(logits: torch.Tensor, lse: torch.Tensor, k: int) -> torch.Tensor:
@@ -95,7 +103,7 @@ def topk_logprobs_triton(logits: torch.Tensor, lse: torch.Tensor, k: int) -> tor
     smax = torch.empty(rows, num_slices, dtype=torch.float32, device=dev)
     vals = torch.empty(rows, k * k, dtype=torch.float32, device=dev)
     idx = torch.empty(rows, k * k, dtype=torch.int32, device=dev)
-    out = torch.empty(rows, 2 * k, dtype=torch.float32, device=dev)
+    out = torch.empty(rows, 2 * k, dtype=torch.int32, device=dev)
     if rows:
         _slice_max_kernel[(rows, num_slices)](logits, smax, logits.stride(0), n, num_slices,
                                               SLICE=_SLICE)
