@@ -19,21 +19,21 @@ import triton.language as tl
 
 _SLICE = 2048  # NOTE: vocabulary entries per slice
 _MAX_K = 64  # NOTE: above, torch's top-k
-_LOW = 0x7FFFFFFF  # NOTE: a key's low half: _LOW - index (larger for the lower index)
 
 
 @triton.jit
 def _pack(x, index):
     bits = x.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # NOTE: negative floats' order reversed
-    return (ordered.to(tl.int64) << 32) | (_LOW - index).to(tl.int64)
+    # NOTE: the low half 0x7FFFFFFF - index: larger for a lower index
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
 
 
 @triton.jit
 def _unpack(key):
     ordered = (key >> 32).to(tl.int32)
     bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-    return bits.to(tl.float32, bitcast=True), _LOW - (key & 0x7FFFFFFF).to(tl.int32)
+    return bits.to(tl.float32, bitcast=True), 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
 
 
 @triton.jit
