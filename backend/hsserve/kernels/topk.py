@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-_SLICE = 512  # NOTE: vocabulary entries per slice: one warp's registers
-_WARPS = 1  # NOTE: the extractions are a chain of reductions: within one warp, no barriers
+_SLICE = 2048  # NOTE: vocabulary entries per slice
 _MAX_K = 64  # NOTE: above, torch's top-k (K extractions unrolled would not pay)
 
 
@@ -107,12 +106,10 @@ def topk_logprobs_triton(logits: torch.Tensor, lse: torch.Tensor, k: int) -> tor
     out = torch.empty(rows, 2 * k, dtype=torch.int32, device=dev)
     if rows:
         _slice_max_kernel[(rows, num_slices)](logits, smax, logits.stride(0), n, num_slices,
-                                              SLICE=_SLICE, num_warps=_WARPS)
+                                              SLICE=_SLICE)
         _slice_topk_kernel[(rows, k)](logits, smax, vals, idx, logits.stride(0), n, num_slices,
-                                      SLICE=_SLICE, K=k, PAD=triton.next_power_of_2(num_slices),
-                                      num_warps=_WARPS)
-        _merge_topk_kernel[(rows,)](vals, idx, lse.float().contiguous(), out, K=k,
-                                    num_warps=_WARPS)
+                                      SLICE=_SLICE, K=k, PAD=triton.next_power_of_2(num_slices))
+        _merge_topk_kernel[(rows,)](vals, idx, lse.float().contiguous(), out, K=k)
     return out
 
 
