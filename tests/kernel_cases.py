@@ -248,17 +248,12 @@ def check_topk_logprobs(device, rows, vocab, k, seed=0):
         x[2, : vocab - 2] = float("-inf")
     x = x.to(device)
     lse = torch.logsumexp(x, dim=-1)
-    K = triton.next_power_of_2(k)
-    full = topk_logprobs_triton(x, lse, K)
+    full = topk_logprobs_triton(x, lse, triton.next_power_of_2(k))
     if device == "cuda":
         assert torch.equal(topk_logprobs(x, lse, k), full)
     (ids, vals), (want_ids, want_vals) = split_topk(full), split_topk(topk_logprobs_ref(x, lse, k))
     got = torch.cat([ids[:, :k].float(), vals[:, :k]], dim=1)
     want = torch.cat([want_ids.float(), want_vals], dim=1)
-    host = torch.full((2, rows + 1, 2 * K + 2), -7, dtype=torch.int32, pin_memory=device == "cuda")
-    topk_logprobs_triton(x, lse, K, host=(host, torch.tensor(1, device=device)))
-    assert torch.equal(host[1, :rows, : 2 * K], full.cpu()), "into the host slot the device names"
-    assert (host[0] == -7).all() and (host[1, rows] == -7).all() and (host[1, :, 2 * K :] == -7).all()
     live = want[:, k:].isfinite()
     plain = torch.ones(rows, dtype=torch.bool)
     plain[1:3] = False  # NOTE: torch's order among ties is unspecified

@@ -8,9 +8,7 @@ so it pays nothing for the ceiling. Logits (float32) and every row's greedy samp
 are computed inside the graph; the argmax also writes the samples into pinned host memory (one
 of two host slots, used in turn as the input slots are), with each row's logsumexp and its
 greedy token's log-probability (logprobs), so an all-greedy step queues no copy after its
-replay. With logprobs allowed (max_logprobs), a small graph per batch size and power of two K
-takes each row's K most likely tokens from the same logits into pinned host memory: a step that
-asks for top alternatives replays it instead of launching kernels from Python. Other sampling and the rows' device-to-host copies happen after the replay.
+replay. Other sampling and the rows' device-to-host copies happen after the replay.
 Nothing is captured after start: `num_captures` proves it.
 
 A row's input token is either given by the host or, when the engine queued this step before it
@@ -30,7 +28,6 @@ import torch
 from hsserve.models.attention_batch import AttentionBatch
 from hsserve.models.hidden_capture import HiddenCapture
 from hsserve.kernels.argmax import argmax_rows
-from hsserve.kernels.topk import topk_logprobs_triton, topk_variants
 from hsserve.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -87,9 +84,8 @@ def pack_tables(out: np.ndarray, tables: list[list[int]]) -> int:
 
 class DecodeGraphs:
     def __init__(self, model: Decoder, kv_cache: torch.Tensor, max_batch: int, max_pages: int,
-                 layers: list[int], max_logprobs: int = 0):
-        """layers: the captured layer set (normalized, column order); [] when the ceiling is none.
-        max_logprobs: the most top alternatives a request may ask (0: no top-k graphs)."""
+                 layers: list[int]):
+        """layers: the captured layer set (normalized, column order); [] when the ceiling is none."""
         dev = kv_cache.device
         spec = model.spec
         self.model, self.kv_cache = model, kv_cache
@@ -127,11 +123,6 @@ class DecodeGraphs:
         )
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.num_captures = 0
-        self.top_ks = topk_variants(max_logprobs, spec.vocab_size)
-        self.host_top = torch.zeros(2, b, 2 * max(self.top_ks, default=0),
-                                    dtype=torch.int32).pin_memory()
-        self.top_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._last: tuple[int, int, int] = (0, 0, 0)  # NOTE: the last run's (size, turn, rows)
 
     def _forward(self, size: int, with_rows: bool) -> None:
         batch = AttentionBatch(
@@ -173,19 +164,9 @@ class DecodeGraphs:
                         self._forward(size, with_rows)
                     self.graphs[(size, with_rows)] = graph
                     self.num_captures += 1
-            for k in self.top_ks:
-                for size in reversed(self.sizes):
-                    top = lambda: topk_logprobs_triton(self.logits[:size], self.lse[:size], k,  # noqa: E731
-                                                       host=(self.host_top, self.host_slot))
-                    top()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        top()
-                    self.top_graphs[(size, k)] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch sizes %s), %d top-k graphs (K %s)",
-                 self.num_captures, self.sizes, len(self.top_graphs), self.top_ks)
+        log.info("captured %d decode graphs (batch sizes %s)", self.num_captures, self.sizes)
 
     def run(self, ids: list[int], sources: list[int], positions: list[int], slots: list[int],
             tables: list[list[int]], lens: list[int], with_rows: bool):
@@ -211,17 +192,5 @@ class DecodeGraphs:
             stage.copy_(self.host_tables[t, : n * width], non_blocking=True)
             self.tables[:n, :width].copy_(stage.view(n, width))
         self.graphs[(size, with_rows and self.rows is not None)].replay()
-        self._last = (size, t, n)
         rows = self.rows[:n] if with_rows and self.rows is not None else None
         return self.logits[:n], rows, self.host_samples[t, :n], self.host_logprobs[t, :, :n]
-
-    def top(self, k: int) -> torch.Tensor | None:
-        """After run(): each of its rows' K >= k most likely tokens, packed as topk_logprobs
-        gives them, in pinned memory filled once the replay is done (valid as run's own
-        outputs); None when no captured K covers k."""
-        K = next((v for v in self.top_ks if v >= k), None)
-        if K is None:
-            return None
-        size, t, n = self._last
-        self.top_graphs[(size, K)].replay()
-        return self.host_top[t, :n, : 2 * K]

@@ -150,11 +150,10 @@ class Executor:
             done.record()
         return Launched(chunks, sampled, tokens, rows, plan, done, logprobs)
 
-    def _tokens(self, logits: torch.Tensor, sampling: list[Chunk],
-                greedy: tuple[torch.Tensor, torch.Tensor] | None, every_row: bool):
+    def _tokens(self, logits: torch.Tensor, sampling: list[Chunk], greedy: torch.Tensor | None,
+                every_row: bool):
         """The sampling chunks' tokens (host copy) and log-probabilities where asked. greedy: a
-        graph replay's own argmax samples and their log-probabilities (pinned; used when every
-        row of it is plainly greedy)."""
+        graph replay's own argmax samples (used when every row of it is plainly greedy)."""
         params = [c.seq.sampling for c in sampling]
         banned = None
         if any(p.min_tokens for p in params):  # NOTE: most steps: nobody's min_tokens
@@ -164,7 +163,8 @@ class Executor:
                 banned or ()):
             # NOTE: the replay's argmax wrote the samples (device and host) and logprobs' stats
             tokens, found = greedy
-            return tokens, step_logprobs(logits, self.sampled, params, (found, self.graphs.top))
+            return tokens, step_logprobs(logits, self.sampled, params,
+                                         (found, self.graphs.lse[: len(params)]))
         samples, tokens = self._sample(logits, sampling, params, banned)
         return tokens, step_logprobs(logits, samples, params)
 

@@ -9,7 +9,6 @@ for the rows that ask only, and copied to the host with the step's other results
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -28,37 +27,30 @@ class StepLogprobs:
     at: list[int]  # each asked row's entry in values / ranks
     values: torch.Tensor  # [m] float32: sampled tokens' log-probabilities
     ranks: torch.Tensor | None  # [m] float32; None: every sample the most likely (greedy)
-    top: torch.Tensor | None  # packed [m, 2K] (K >= max(ks)), as split_topk reads
-    top_at: list[int] | None = None  # each asked row's row in top (None: as in values)
+    top: torch.Tensor | None  # packed [len(rows), 2K] (K >= max(ks)), as split_topk reads
 
 
 def step_logprobs(logits: torch.Tensor, samples: torch.Tensor, params: list[SamplingParams],
-                  greedy: tuple[torch.Tensor, Callable[[int], torch.Tensor | None]] | None = None
-                  ) -> StepLogprobs | None:
+                  greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepLogprobs | None:
     """logits [S, vocab] and samples [S] (on the device) of a step's sampling rows. greedy:
     when the samples are a decode graph's argmax, its (pinned [2, S]: the argmax's
-    log-probability and logsumexp; top(k): every row's K >= k most likely tokens by a graph
-    replay, pinned, or None): nothing is launched from here then."""
+    log-probability and logsumexp, device [S] logsumexp): nothing left to compute for k = 0."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
-    ks = [params[i].logprobs for i in rows]
-    if greedy is not None:
-        top = greedy[1](max(ks)) if max(ks) else None
-        if top is not None or not max(ks):
-            return StepLogprobs(rows, ks, rows, greedy[0][0], None, top)
     idx = upload(rows, logits.device) if len(rows) < len(params) else None
     x = (logits if idx is None else logits[idx]).float()
-    if greedy is not None:  # NOTE: k beyond the graphs' top-k: launched here
+    if greedy is not None:
         values, ranks, at = greedy[0][0], None, rows
-        lse = x.logsumexp(dim=-1)
-        top = download(topk_logprobs(x, lse, max(ks)))
-        return StepLogprobs(rows, ks, at, values, ranks, top, list(range(len(rows))))
-    # NOTE: one pass, one launch: the log-softmax is never materialized
-    stats = token_logprob(x, samples[: len(params)] if idx is None else samples[idx])
-    host = download(stats)
-    top = download(topk_logprobs(x, stats[:, 2], max(ks))) if max(ks) else None
-    return StepLogprobs(rows, ks, list(range(len(rows))), host[:, 0], host[:, 1], top)
+        lse = greedy[1] if idx is None else greedy[1][idx]
+    else:
+        # NOTE: one pass, one launch: the log-softmax is never materialized
+        stats = token_logprob(x, samples[: len(params)] if idx is None else samples[idx])
+        host = download(stats)
+        values, ranks, at, lse = host[:, 0], host[:, 1], list(range(len(rows))), stats[:, 2]
+    ks = [params[i].logprobs for i in rows]
+    top = download(topk_logprobs(x, lse, max(ks))) if max(ks) else None
+    return StepLogprobs(rows, ks, at, values, ranks, top)
 
 
 def token_logprobs(found: StepLogprobs | None, sampled: list[bool]) -> list[TokenLogprob | None]:
@@ -74,14 +66,13 @@ def token_logprobs(found: StepLogprobs | None, sampled: list[bool]) -> list[Toke
     if found.top is not None:
         ids, top_v = (t.tolist() for t in split_topk(found.top))
     width = len(ids[0]) if ids else 0
-    top_at = found.top_at or found.at
     for j, (row, k) in enumerate(zip(found.rows, found.ks)):
-        e, t = found.at[j], top_at[j]
+        e = found.at[j]
         if not k:
             alt_ids, alt_v = [], []
         elif k == width:  # NOTE: most often every row asks the same k: no slicing
-            alt_ids, alt_v = ids[t], top_v[t]
+            alt_ids, alt_v = ids[j], top_v[j]
         else:
-            alt_ids, alt_v = ids[t][:k], top_v[t][:k]
+            alt_ids, alt_v = ids[j][:k], top_v[j][:k]
         out[chunk_of[row]] = TokenLogprob(values[e], int(ranks[e]) if ranks else 1, alt_ids, alt_v)
     return out

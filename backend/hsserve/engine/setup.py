@@ -116,7 +116,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         # NOTE: captured once for the ceiling and the captured layer set; never again
         graph_layers = list(layers) if config.hidden_states_ceiling != HiddenStatesMode.NONE else []
         executor.graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs,
-                                       -(-max_model_len // bs), graph_layers, config.max_logprobs)
+                                       -(-max_model_len // bs), graph_layers)
         executor.graphs.capture()
     if device.type == "cuda" and config.max_logprobs:
         warm_topk(device, spec.vocab_size, config.max_logprobs)

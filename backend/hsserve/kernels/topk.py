@@ -54,11 +54,8 @@ def _slice_topk_kernel(X, SMAX, VALS, IDX, stride_x, n, num_slices, SLICE: tl.co
 
 
 @triton.jit
-def _merge_topk_kernel(VALS, IDX, LSE, OUT, SLOT, stride_slot, stride_row, K: tl.constexpr,
-                       TO_HOST: tl.constexpr):
+def _merge_topk_kernel(VALS, IDX, LSE, OUT, K: tl.constexpr):
     r = tl.program_id(0)
-    if TO_HOST:  # NOTE: straight into the pinned host slot the device names
-        OUT += tl.load(SLOT) * stride_slot
     pos = tl.arange(0, K * K)
     v = tl.load(VALS + r * K * K + pos)
     ids = tl.load(IDX + r * K * K + pos)
@@ -66,8 +63,8 @@ def _merge_topk_kernel(VALS, IDX, LSE, OUT, SLOT, stride_slot, stride_row, K: tl
     for i in tl.static_range(K):
         best = tl.max(v, 0)
         token = tl.min(tl.where(v == best, ids, 2147483647), 0)  # NOTE: ties: the lowest id
-        tl.store(OUT + r * stride_row + i, token)
-        tl.store(OUT + r * stride_row + K + i, (best - lse).to(tl.int32, bitcast=True))
+        tl.store(OUT + r * 2 * K + i, token)
+        tl.store(OUT + r * 2 * K + K + i, (best - lse).to(tl.int32, bitcast=True))
         v = tl.where((v == best) & (ids == token), float("-inf"), v)  # NOTE: and its duplicates
 
 
@@ -97,12 +94,8 @@ def topk_logprobs(logits: torch.Tensor, lse: torch.Tensor, k: int) -> torch.Tens
     return topk_logprobs_triton(logits, lse, K)
 
 
-def topk_logprobs_triton(logits: torch.Tensor, lse: torch.Tensor, k: int,
-                         host: tuple[torch.Tensor, torch.Tensor] | None = None
-                         ) -> torch.Tensor | None:
-    """k: a power of two. host: (pinned int32 [slots, >= rows, >= 2k], device int64 scalar
-    slot): the packed result goes to host[slot, :rows, :2k] instead (None returned), written by
-    the kernel: a decode graph hands it over with no copy."""
+def topk_logprobs_triton(logits: torch.Tensor, lse: torch.Tensor, k: int) -> torch.Tensor:
+    """k: a power of two."""
     rows, n = logits.shape
     assert logits.stride(-1) == 1 and lse.shape == (rows,) and 0 < k <= n and k & (k - 1) == 0
     num_slices = triton.cdiv(n, _SLICE)
@@ -110,37 +103,21 @@ def topk_logprobs_triton(logits: torch.Tensor, lse: torch.Tensor, k: int,
     smax = torch.empty(rows, num_slices, dtype=torch.float32, device=dev)
     vals = torch.empty(rows, k * k, dtype=torch.float32, device=dev)
     idx = torch.empty(rows, k * k, dtype=torch.int32, device=dev)
-    if host is None:
-        out = buf = torch.empty(rows, 2 * k, dtype=torch.int32, device=dev)
-        slot = buf
-    else:
-        buf, slot = host
-        assert buf.dtype == torch.int32 and buf.shape[1] >= rows and buf.shape[2] >= 2 * k
-        assert buf.stride(2) == 1 and (buf.is_pinned() or triton.knobs.runtime.interpret)
-        out = None
+    out = torch.empty(rows, 2 * k, dtype=torch.int32, device=dev)
     if rows:
         _slice_max_kernel[(rows, num_slices)](logits, smax, logits.stride(0), n, num_slices,
                                               SLICE=_SLICE)
         _slice_topk_kernel[(rows, k)](logits, smax, vals, idx, logits.stride(0), n, num_slices,
                                       SLICE=_SLICE, K=k, PAD=triton.next_power_of_2(num_slices))
-        _merge_topk_kernel[(rows,)](vals, idx, lse.float().contiguous(), buf, slot,
-                                    buf.stride(0) if host else 0, buf.stride(-2), K=k,
-                                    TO_HOST=host is not None)
+        _merge_topk_kernel[(rows,)](vals, idx, lse.float().contiguous(), out, K=k)
     return out
-
-
-def topk_variants(max_k: int, vocab: int) -> list[int]:
-    """The K the kernels are compiled (and the decode graphs captured) for: powers of two up to
-    the one covering max_k, within _MAX_K and the vocabulary."""
-    if max_k <= 0:
-        return []
-    top = min(triton.next_power_of_2(max_k), _MAX_K, vocab)
-    return [1 << i for i in range(top.bit_length()) if 1 << i <= top]
 
 
 def warm_topk(device: torch.device, vocab: int, max_k: int) -> None:
     """Compile every K variant before serving (a first request asking for k must not wait)."""
     x = torch.zeros(1, vocab, dtype=torch.float32, device=device)
     lse = torch.zeros(1, dtype=torch.float32, device=device)
-    for k in topk_variants(max_k, vocab):
+    k = 1
+    while k <= min(triton.next_power_of_2(max_k), _MAX_K, vocab):
         topk_logprobs_triton(x, lse, k)
+        k *= 2
