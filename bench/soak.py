@@ -77,8 +77,10 @@ def metric(url: str, name: str, model: str = "llm") -> float:
                if line.startswith(name + "{") and f'model="{model}"' in line)
 
 
-def _one(url: str, kind: str, fields: dict, cancel_after: int, expect: str | None) -> dict:
-    """Send one request on its own stream; returns what happened."""
+def one_request(url: str, kind: str, fields: dict, cancel_after: int, expect: str | None,
+                headers: dict | None = None, timeout: float = 300.0) -> dict:
+    """Send one request on its own stream (gRPC metadata `headers`); returns what happened and
+    when it went out and ended (t_sent, t_done: time.time())."""
     q: list = []
     done = threading.Event()
 
@@ -90,8 +92,9 @@ def _one(url: str, kind: str, fields: dict, cancel_after: int, expect: str | Non
     out = {"kind": kind, "ids": [], "rows": [], "error": None, "fields": fields, "retries": 0}
     for _ in range(3):
         client = grpcclient.InferenceServerClient(url)
-        client.start_stream(callback=callback)
+        client.start_stream(callback=callback, headers=headers)
         try:
+            out["t_sent"] = time.time()
             client.async_stream_infer("llm", _inputs(fields), enable_empty_final_response=True)
             break
         except grpcclient.InferenceServerException:
@@ -107,10 +110,13 @@ def _one(url: str, kind: str, fields: dict, cancel_after: int, expect: str | Non
         deadline = time.time() + 30
         while len(q) < cancel_after and not done.is_set() and time.time() < deadline:
             time.sleep(0.005)
+        out["responses"] = len(q)  # NOTE: 0: it may be cancelled before it reached the server
         client.stop_stream(cancel_requests=True)
         client.close()
+        out["t_done"] = time.time()
         return out
-    done.wait(300)
+    done.wait(timeout)
+    out["t_done"] = time.time()
     client.stop_stream()
     client.close()
     for result, error in q:
@@ -124,7 +130,7 @@ def _one(url: str, kind: str, fields: dict, cancel_after: int, expect: str | Non
         if rows is not None:
             out["rows"].append(rows)
     if not done.is_set():
-        out["error"] = "no final response within 300 s"
+        out["error"] = f"no final response within {timeout:g} s"
     return out
 
 
@@ -162,12 +168,12 @@ def run_soak(grpc_url: str, metrics_url: str, pgid: int, num: int = 1000, seed: 
     trace: list[tuple[int, float]] = []
     step = trace_every or num
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        futures = [pool.submit(_one, grpc_url, kind, fields, k, expect)
+        futures = [pool.submit(one_request, grpc_url, kind, fields, k, expect)
                    for kind, fields, k, expect in jobs[:warmup]]
         results += [f.result() for f in futures]
         rss["after_warmup_mb"] = server_rss_mb(pgid)
         for start in range(warmup, num, step):
-            futures = [pool.submit(_one, grpc_url, kind, fields, k, expect)
+            futures = [pool.submit(one_request, grpc_url, kind, fields, k, expect)
                        for kind, fields, k, expect in jobs[start : start + step]]
             results += [f.result() for f in futures]
             if trace_every:
