@@ -25,7 +25,8 @@ def smollm_dir() -> str:
 
 def tiny_config(family: str):
     """A small random config of each family, using SmolLM2's vocabulary so text works."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(
         vocab_size=49152,
@@ -50,6 +51,13 @@ def tiny_config(family: str):
         return Qwen2Config(**common, tie_word_embeddings=True)
     if family == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if family == "mixtral":  # NOTE: 4 experts, 2 a token, renormalized; a sliding window
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                             sliding_window=24, tie_word_embeddings=False)
+    if family == "qwen3_moe":  # NOTE: 8 experts, 3 a token, not renormalized; layer 1 dense
+        return Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=3,
+                              moe_intermediate_size=48, norm_topk_prob=False,
+                              mlp_only_layers=[1], tie_word_embeddings=False)
     raise ValueError(family)
 
 

@@ -112,7 +112,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     layers = captured_layers(config, spec)
     rows = HiddenRows(getattr(torch, config.hidden_dtype))
     executor = Executor(model, kv_cache, bs, config.max_num_seqs)
-    if config.enable_cuda_graph and executor.kernels:
+    if config.enable_cuda_graph and executor.kernels and spec.num_experts:
+        # NOTE: the experts' torch path picks experts on the host: not capturable
+        log.warning("CUDA graphs off: mixture-of-experts layers run eagerly on this version")
+    elif config.enable_cuda_graph and executor.kernels:
         # NOTE: captured once for the ceiling and the captured layer set; never again
         graph_layers = list(layers) if config.hidden_states_ceiling != HiddenStatesMode.NONE else []
         executor.graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs,

@@ -1,4 +1,5 @@
-"""The decoder forward: one class for the Llama family (Llama, Mistral, Qwen2 bias, Qwen3 q/k norm).
+"""The decoder forward: one class for the Llama family (Llama, Mistral, Qwen2 bias, Qwen3 q/k norm;
+Mixtral and Qwen3-MoE with experts in place of the MLP: models/moe.py).
 
 Read top to bottom: embed -> layers (attention over the paged cache, MLP) -> final norm. Weights
 are plain parameters created uninitialized and filled by the loader; q/k/v and gate/up are fused.
@@ -24,6 +25,7 @@ from hsserve.kernels.elementwise import (add_rmsnorm, embed_rotary, rms_inverse_
                                          rotary_store_, silu_mul)
 from hsserve.kernels.gemv import gemv, gemv_fits, gemv_rotary_store, gemv_silu_mul
 from hsserve.models.linear import Linear
+from hsserve.models.moe import MoE
 from hsserve.models.rope import apply_rotary, inverse_frequencies
 from hsserve.models.spec import ModelSpec
 
@@ -130,12 +132,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, index: int):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.attn = Attention(spec)
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MoE(spec) if spec.is_moe_layer(index) else MLP(spec)
 
     def forward(self, x, residual, rope, batch, kv):
         """x: the previous layer's MLP output (the embeddings for the first layer, residual None).
@@ -159,7 +161,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed = _param(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         if spec.tie_word_embeddings:
@@ -173,12 +175,13 @@ class Decoder(nn.Module):
     def fold_norms(self) -> bool:
         """Multiply each layer's input / post-attention norm weights into the columns of qkv /
         gate_up (once, after loading); False, nothing done, where the layers cannot run folded:
-        q/k norm or a qkv bias (the scale must come before them), or float16 (the unnormalized
-        stream through a GEMM could overflow it)."""
+        q/k norm or a qkv bias (the scale must come before them), experts (the router reads the
+        normed rows), or float16 (the unnormalized stream through a GEMM could overflow it)."""
         if self.folded:
             return True  # NOTE: once: a second fold would apply the weights twice
         spec, w = self.spec, self.layers[0].attn.qkv.weight
-        if spec.qk_norm or spec.qkv_bias or w is None or w.dtype == torch.float16:
+        if (spec.qk_norm or spec.qkv_bias or spec.num_experts or w is None
+                or w.dtype == torch.float16):
             return False
         for layer in self.layers:
             for norm, linear in ((layer.input_norm, layer.attn.qkv),

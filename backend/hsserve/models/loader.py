@@ -25,17 +25,37 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
     return torch.float16 if spec.torch_dtype in ("float16", "torch.float16") else torch.bfloat16
 
 
+# NOTE: per family, a MoE layer's block and its experts' (gate, up, down) tensor names
+_EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+            "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _mlp_names(spec: ModelSpec, i: int) -> dict[str, list[str]]:
+    ours = f"layers.{i}.mlp"
+    if not spec.is_moe_layer(i):
+        m = f"model.layers.{i}.mlp"
+        return {f"{ours}.gate_up.weight": [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
+                f"{ours}.down.weight": [f"{m}.down_proj.weight"]}
+    block, (gate, up, down) = _EXPERTS[spec.family]
+    m = f"model.layers.{i}.{block}"
+    experts = range(spec.num_experts)
+    return {  # NOTE: stacked [experts, ...] by concatenating on dim 0, then reshaped
+        f"{ours}.router": [f"{m}.gate.weight"],
+        f"{ours}.gate_up": [f"{m}.experts.{e}.{w}.weight" for e in experts for w in (gate, up)],
+        f"{ours}.down": [f"{m}.experts.{e}.{down}.weight" for e in experts],
+    }
+
+
 def _hf_names(spec: ModelSpec, i: int) -> dict[str, list[str]]:
     """Our parameter name -> the HF tensors it is made of (concatenated on dim 0)."""
-    a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+    a = f"model.layers.{i}.self_attn"
     ours = f"layers.{i}"
     names = {
         f"{ours}.input_norm.weight": [f"model.layers.{i}.input_layernorm.weight"],
         f"{ours}.post_attn_norm.weight": [f"model.layers.{i}.post_attention_layernorm.weight"],
         f"{ours}.attn.qkv.weight": [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
         f"{ours}.attn.o_proj.weight": [f"{a}.o_proj.weight"],
-        f"{ours}.mlp.gate_up.weight": [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
-        f"{ours}.mlp.down.weight": [f"{m}.down_proj.weight"],
+        **_mlp_names(spec, i),
     }
     if spec.qkv_bias:
         names[f"{ours}.attn.qkv.bias"] = [f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"]
@@ -87,7 +107,8 @@ def load_weights(model: Decoder, folder: str) -> None:
                     handles[where[t]] = safe_open(where[t], framework="pt")
                 parts.append(handles[where[t]].get_tensor(t))
             target = params[ours]
-            target.data.copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
+            whole = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            target.data.copy_(whole.view(target.shape))
     finally:
         handles.clear()
 

@@ -12,7 +12,34 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+
+
+def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Mixture-of-experts shape (none for dense families); a config we would compute wrongly is
+    refused by its field."""
+    if family == "mixtral":
+        experts, inter, renorm, dense = cfg["num_local_experts"], cfg["intermediate_size"], True, ()
+    elif family == "qwen3_moe":
+        # NOTE: Qwen's checkpoints say num_experts; transformers 5 writes num_local_experts
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        inter = cfg["moe_intermediate_size"]
+        renorm = bool(cfg.get("norm_topk_prob", False))
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        only = set(cfg.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(cfg["num_hidden_layers"])
+                      if i in only or experts == 0 or (i + 1) % step != 0)
+        if cfg.get("shared_expert_intermediate_size"):
+            raise ValueError("shared_expert_intermediate_size: shared experts are not supported")
+    else:
+        return {}
+    top = int(cfg["num_experts_per_tok"])
+    if not 0 < top <= experts:
+        raise ValueError(f"num_experts_per_tok: {top} must be within 1..{experts} (the experts)")
+    return dict(num_experts=int(experts), experts_per_token=top, moe_intermediate_size=int(inter),
+                norm_topk_prob=renorm, dense_layers=dense)
 
 
 @dataclass(frozen=True)
@@ -34,6 +61,14 @@ class ModelSpec:
     rope: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    num_experts: int = 0  # NOTE: 0: a dense model
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # NOTE: the chosen experts' weights renormalized to sum to 1
+    dense_layers: tuple[int, ...] = ()  # NOTE: of a MoE model, the layers with a plain MLP
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_layers
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None):
@@ -44,12 +79,15 @@ class ModelSpec:
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act: {act!r} is not supported; supported: 'silu'")
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.get("type", "default"))
         window = cfg.get("sliding_window")
-        if family == "qwen2" or family == "qwen3":
+        if family in ("qwen2", "qwen3", "qwen3_moe"):
             window = window if cfg.get("use_sliding_window", False) else None
         eos: list[int] = []
         for src in (cfg, generation_cfg or {}):
@@ -70,11 +108,12 @@ class ModelSpec:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=window,
             rope=rope,
             eos_token_ids=tuple(eos),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            **_moe_fields(family, cfg),
         )
 
     @classmethod

@@ -1,0 +1,55 @@
+"""Mixture-of-experts feed-forward (Mixtral, Qwen3-MoE): a router picks each token's top-k
+experts by softmax probability (renormalized over the chosen when the model says so), and the
+token's output is the weighted sum of those experts' SwiGLU MLPs.
+
+This is the torch path (the CPU's, and the oracle of a fused GPU kernel): each expert that some
+token chose runs once over its tokens. The router's logits are computed in float64: a product's
+last bits may depend on how many rows it has (the BLAS picks its kernel by shape), and in float32
+that could flip a near-tie between two experts with the batch's composition; an exact tie
+(identical router rows) stays exact and goes the same way whatever the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hsserve.models.spec import ModelSpec
+
+
+class MoE(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+        # NOTE: the router is a plain F.linear (as transformers'), never a packed CPU weight
+        self.router = nn.Parameter(torch.empty(e, h), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
+        self._router64: torch.Tensor | None = None  # NOTE: made on first use, after loading
+        # NOTE: Mixtral weighs an expert's output in float32, Qwen3-MoE in the model's dtype
+        self.weigh_in_float = spec.family == "mixtral"
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])."""
+        if self._router64 is None:
+            self._router64 = self.router.double()
+        probs = torch.softmax(F.linear(x.double(), self._router64), dim=-1).float()
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor, folded_eps: float | None = None) -> torch.Tensor:
+        assert folded_eps is None, "a MoE layer's norms are never folded"
+        weights, experts = self.route(x)
+        if not self.weigh_in_float:
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            token, slot = torch.where(experts == e)
+            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out

@@ -1,0 +1,101 @@
+"""Issue 29, mixture of experts (Mixtral, Qwen3-MoE) on the CPU: routing is a row's own (a tie
+included, whatever else is in the batch), the prefix cache and chunked prefill change nothing,
+configs we would compute wrongly are refused by field. (Tokens and rows against transformers,
+alone and batched: test_engine_parity.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams
+from hsserve.models.moe import MoE
+from hsserve.models.spec import ModelSpec
+from oracle import hf_greedy, hf_hidden, max_rel_row_diff
+
+
+def moe_spec(**over) -> ModelSpec:
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 100, "hidden_size": 16,
+           "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    return ModelSpec.from_hf_dict({**cfg, **over})
+
+
+def test_routing_is_each_rows_own_even_on_a_tie():
+    torch.manual_seed(0)
+    moe = MoE(moe_spec())
+    for p in (moe.router, moe.gate_up, moe.down):
+        p.data.normal_()
+    moe.router.data[3] = moe.router.data[1]  # NOTE: experts 1 and 3 tie on every token
+    x = torch.randn(9, 16)
+    x[4] = moe.router.data[1] * 5  # NOTE: a row whose best two are exactly the tied pair
+    weights, experts = moe.route(x)
+    assert sorted(experts[4].tolist()) == [1, 3] and weights[4, 0] == weights[4, 1]
+    batched = moe(x)
+    for i in range(len(x)):
+        w, e = moe.route(x[i : i + 1])
+        assert torch.equal(e[0], experts[i]) and torch.allclose(w[0], weights[i], atol=1e-7)
+        assert torch.allclose(moe(x[i : i + 1])[0], batched[i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+    ({"num_experts_per_tok": 7}, "num_experts_per_tok"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_configs_we_cannot_compute_are_refused_by_field(over, field):
+    with pytest.raises(ValueError, match=field):
+        moe_spec(**over)
+
+
+def test_dense_layers_of_a_moe_model():
+    spec = moe_spec(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2)
+    assert [spec.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_prefix_cache_and_chunked_prefill_equal_transformers(family, tiny_model_dir, hf_model):
+    folder = tiny_model_dir(family)
+    hf = hf_model(folder)
+    prefix = [(37 * i) % 40000 + 50 for i in range(30)]
+    prompts = [prefix + [900 + i] * (2 + 3 * i) for i in range(3)] + [prefix + list(range(1000, 1045))]
+    engine = Engine(EngineConfig(model=folder, device="cpu", block_size=4, max_num_seqs=8,
+                                 max_num_batched_tokens=16)).start()
+    try:
+        for round_ in range(2):  # NOTE: the second round finds every prefix cached
+            hits = engine.pool.num_hit_tokens
+            reqs = [GenerationRequest(f"{family}{round_}-{i}", prompt_ids=p,
+                                      sampling=SamplingParams(max_tokens=6, temperature=0.0),
+                                      hidden_mode=HiddenStatesMode.LAST, hidden_layers=(0, 1, -1))
+                    for i, p in enumerate(prompts)]
+            results = [s.result(timeout=300) for s in [engine.submit(r) for r in reqs]]
+            for req, res in zip(reqs, results):
+                assert res.token_ids == hf_greedy(hf, req.prompt_ids, 6, 2)
+                ref = hf_hidden(hf, req.prompt_ids + res.token_ids, req.hidden_layers)[-1:]
+                assert max_rel_row_diff(res.hidden, ref, 3) <= 1e-3
+            if round_:
+                assert engine.pool.num_hit_tokens - hits >= 28 * len(prompts)
+        assert engine.pool.num_free == engine.pool.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_the_experts_checkpoint_names_are_required(tiny_model_dir, tmp_path):
+    """A checkpoint missing one expert's tensor is refused naming it (not loaded half-random)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_model_dir("mixtral")
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    [name] = [f for f in os.listdir(broken) if f.endswith(".safetensors")]
+    tensors = load_file(str(broken / name))
+    gone = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    del tensors[gone]
+    save_file(tensors, str(broken / name), metadata={"format": "pt"})
+    assert json.load(open(broken / "config.json"))["num_local_experts"] == 4
+    with pytest.raises(KeyError, match="experts.3.w2"):
+        Engine(EngineConfig(model=str(broken), device="cpu")).start()
