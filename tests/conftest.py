@@ -25,8 +25,8 @@ def smollm_dir() -> str:
 
 def tiny_config(family: str):
     """A small random config of each family, using SmolLM2's vocabulary so text works."""
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=49152,
@@ -51,6 +51,13 @@ def tiny_config(family: str):
         return Qwen2Config(**common, tie_word_embeddings=True)
     if family == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if family == "phi3":  # NOTE: longrope (its short factors and attention factor), a window
+        half = common["hidden_size"] // common["num_attention_heads"] // 2
+        rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
+                    short_factor=[1.0 + 0.1 * i for i in range(half)],
+                    long_factor=[2.0 + 0.3 * i for i in range(half)])
+        return Phi3Config(**common, rope_parameters=rope, sliding_window=40,
+                          original_max_position_embeddings=256, tie_word_embeddings=False)
     if family == "mixtral":  # NOTE: 4 experts, 2 a token, renormalized; a sliding window
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                              sliding_window=24, tie_word_embeddings=False)

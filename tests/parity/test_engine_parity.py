@@ -58,7 +58,10 @@ def mixed_requests(prompts, max_new: int, tag: str) -> list[GenerationRequest]:
     ]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_families_match_transformers(family, tiny_model_dir, hf_model):
     folder = tiny_model_dir(family)
     hf = hf_model(folder)

@@ -1,5 +1,5 @@
-"""The decoder forward: one class for the Llama family (Llama, Mistral, Qwen2 bias, Qwen3 q/k norm;
-Mixtral and Qwen3-MoE with experts in place of the MLP: models/moe.py).
+"""The decoder forward: one class for the Llama family (Llama, Mistral, Qwen2 bias, Qwen3 q/k norm,
+Phi-3; Mixtral and Qwen3-MoE with experts in place of the MLP: models/moe.py).
 
 Read top to bottom: embed -> layers (attention over the paged cache, MLP) -> final norm. Weights
 are plain parameters created uninitialized and filled by the loader; q/k/v and gate/up are fused.
@@ -26,7 +26,7 @@ from hsserve.kernels.elementwise import (add_rmsnorm, embed_rotary, rms_inverse_
 from hsserve.kernels.gemv import gemv, gemv_fits, gemv_rotary_store, gemv_silu_mul
 from hsserve.models.linear import Linear
 from hsserve.models.moe import MoE
-from hsserve.models.rope import apply_rotary, inverse_frequencies
+from hsserve.models.rope import apply_rotary, attention_factor, inverse_frequencies
 from hsserve.models.spec import ModelSpec
 
 
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, spec.hidden_size)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.head_dim**-0.5 * attention_factor(spec.rope) ** 2
         self.window = spec.sliding_window
 
     def forward(self, x, rope: Rotary, batch: AttentionBatch, kv, folded_eps: float | None = None):

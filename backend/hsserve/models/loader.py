@@ -34,8 +34,10 @@ def _mlp_names(spec: ModelSpec, i: int) -> dict[str, list[str]]:
     ours = f"layers.{i}.mlp"
     if not spec.is_moe_layer(i):
         m = f"model.layers.{i}.mlp"
-        return {f"{ours}.gate_up.weight": [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
-                f"{ours}.down.weight": [f"{m}.down_proj.weight"]}
+        fused = spec.family == "phi3"  # NOTE: Phi-3's checkpoints hold gate and up as one tensor
+        gate_up = [f"{m}.gate_up_proj.weight"] if fused else [f"{m}.gate_proj.weight",
+                                                              f"{m}.up_proj.weight"]
+        return {f"{ours}.gate_up.weight": gate_up, f"{ours}.down.weight": [f"{m}.down_proj.weight"]}
     block, (gate, up, down) = _EXPERTS[spec.family]
     m = f"model.layers.{i}.{block}"
     experts = range(spec.num_experts)
@@ -53,7 +55,8 @@ def _hf_names(spec: ModelSpec, i: int) -> dict[str, list[str]]:
     names = {
         f"{ours}.input_norm.weight": [f"model.layers.{i}.input_layernorm.weight"],
         f"{ours}.post_attn_norm.weight": [f"model.layers.{i}.post_attention_layernorm.weight"],
-        f"{ours}.attn.qkv.weight": [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
+        f"{ours}.attn.qkv.weight": ([f"{a}.qkv_proj.weight"] if spec.family == "phi3" else
+                                    [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"]),
         f"{ours}.attn.o_proj.weight": [f"{a}.o_proj.weight"],
         **_mlp_names(spec, i),
     }

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, llama3 scaling) and apply."""
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3, longrope's short
+factors) with longrope's attention factor, and apply."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ def inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
         return inv
     if kind == "linear":
         return inv / float(rope["factor"])
+    if kind == "longrope":  # NOTE: within original_max_position_embeddings (ModelSpec caps it)
+        short = torch.tensor(rope["short_factor"], dtype=torch.float32)
+        return 1.0 / (short * base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if kind == "llama3":
         factor = float(rope["factor"])
         low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
@@ -28,7 +32,19 @@ def inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3, "
+                     "longrope")
+
+
+def attention_factor(rope: dict[str, Any]) -> float:
+    """longrope's scale of cos and sin (1 elsewhere). Both q and k carry it, so it is applied as
+    its square on the softmax scale: the same scores, no change to the rotary kernels."""
+    if rope.get("rope_type") != "longrope":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor, original = float(rope["factor"]), float(rope["original_max_position_embeddings"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

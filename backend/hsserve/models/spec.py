@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
@@ -86,6 +87,17 @@ class ModelSpec:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.get("type", "default"))
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        partial = (rope.get("partial_rotary_factor"), cfg.get("partial_rotary_factor"))
+        if any(p is not None and float(p) != 1.0 for p in partial):
+            raise ValueError("partial_rotary_factor: only 1.0 (rotary over the whole head) is supported")
+        if rope["rope_type"] == "longrope":
+            rope.setdefault("original_max_position_embeddings",
+                            cfg.get("original_max_position_embeddings", max_pos))
+            rope.setdefault("factor", max_pos / rope["original_max_position_embeddings"])
+            # NOTE: transformers switches a sequence to the long factors past the original
+            # length, inconsistently (a cached prefix keeps the short ones): served within it
+            max_pos = min(max_pos, int(rope["original_max_position_embeddings"]))
         window = cfg.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe"):
             window = window if cfg.get("use_sliding_window", False) else None
@@ -105,7 +117,7 @@ class ModelSpec:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe"),

@@ -1,7 +1,8 @@
-"""Issue 29, mixture of experts (Mixtral, Qwen3-MoE) on the CPU: routing is a row's own (a tie
+"""Issue 29 on the CPU: mixture of experts (Mixtral, Qwen3-MoE): routing is a row's own (a tie
 included, whatever else is in the batch), the prefix cache and chunked prefill change nothing,
-configs we would compute wrongly are refused by field. (Tokens and rows against transformers,
-alone and batched: test_engine_parity.py.)"""
+configs we would compute wrongly are refused by field; Phi-3's long-rope frequencies and attention
+factor are transformers'. (Tokens and rows against transformers, alone and batched, for every
+family: test_engine_parity.py.)"""
 
 from __future__ import annotations
 
@@ -99,3 +100,22 @@ def test_the_experts_checkpoint_names_are_required(tiny_model_dir, tmp_path):
     assert json.load(open(broken / "config.json"))["num_local_experts"] == 4
     with pytest.raises(KeyError, match="experts.3.w2"):
         Engine(EngineConfig(model=str(broken), device="cpu")).start()
+
+
+def test_longrope_frequencies_and_attention_factor_equal_transformers(tiny_model_dir):
+    """Phi-3's long-rope checkpoints: within the original length, the short factors and the
+    attention factor (applied here as its square on the softmax scale) are transformers'."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hsserve.models.rope import attention_factor, inverse_frequencies
+
+    folder = tiny_model_dir("phi3")
+    inv, factor = ROPE_INIT_FUNCTIONS["longrope"](AutoConfig.from_pretrained(folder), "cpu")
+    spec = ModelSpec.from_folder(folder)
+    assert torch.equal(inverse_frequencies(spec.head_dim, spec.rope), inv)
+    assert factor > 1.05 and attention_factor(spec.rope) == pytest.approx(factor, rel=1e-12)
+    assert spec.max_position_embeddings == 256, "served within the original length"
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelSpec.from_hf_dict({**json.load(open(os.path.join(folder, "config.json"))),
+                                "partial_rotary_factor": 0.75})
