@@ -1,5 +1,7 @@
 """`hsserve extract` throughput: MODE=full rows of 3 layers for prompts of 512 tokens, through the
-real tritonserver (gRPC) against the engine in this process (--local), taking turns.
+real tritonserver against the engine in this process (--local), taking turns. The server's rows
+come in the gRPC messages (FP32, and BF16 from a copy of `llm` declaring HIDDEN_STATES TYPE_BF16)
+or through system shared memory (--transport shm).
 
     .venv/bin/python bench/extract.py          # -> results/extract_cpu.json
 
@@ -71,6 +73,20 @@ def local(argv: list[str], out: str, engine) -> None:
     assert _extract(a, writer, LocalSource(engine, ask), engine.tokenizer) == 0
 
 
+def bf16_repository(root: str) -> str:
+    """model_repository plus `llm_bf16`: llm with its rows in bfloat16 on the wire."""
+    repo = os.path.join(root, "model_repository")
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = os.path.join(repo, "llm_bf16", "config.pbtxt")
+    shutil.copytree(os.path.join(repo, "llm"), os.path.dirname(cfg))
+    with open(cfg) as f:
+        text = f.read().replace('name: "llm"', 'name: "llm_bf16"').replace(
+            'name: "HIDDEN_STATES", data_type: TYPE_FP32', 'name: "HIDDEN_STATES", data_type: TYPE_BF16')
+    with open(cfg, "w") as f:
+        f.write(text)
+    return repo
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=16)
@@ -84,16 +100,23 @@ def main() -> None:
     data = os.path.join(root, "data.jsonl")
     dataset(data, args.records, args.length, 0)
     common = ["extract", data, "--layers", "0", "15", "-1", "--mode", "full"]
-    server = start_server(os.path.abspath(REPO), log_path=os.path.join(root, "server.log"))
-    runs: dict[str, list[tuple[float, int, int]]] = {"local": [], "server": []}
+    server = start_server(bf16_repository(root), log_path=os.path.join(root, "server.log"))
+    runs: dict[str, list[tuple[float, int, int]]] = {"local": [], "server": [], "server_shm": [],
+                                                     "server_bf16": [], "server_bf16_shm": []}
     try:
-        server.wait_ready(timeout=600, models=("llm",))
-        timed(common + ["--url", server.grpc_url], os.path.join(root, "warm"))
+        server.wait_ready(timeout=600, models=("llm", "llm_bf16"))
+        url = ["--url", server.grpc_url, "--admin-key", server.admin_key]
+        ways = {"server": url + ["--transport", "grpc"], "server_shm": url + ["--transport", "shm"]}
+        ways["server_bf16"] = ways["server"] + ["--triton-model", "llm_bf16", "--dtype", "bfloat16"]
+        ways["server_bf16_shm"] = ways["server_shm"] + ["--triton-model", "llm_bf16",
+                                                        "--dtype", "bfloat16"]
+        for name, way in ways.items():
+            timed(common + way, os.path.join(root, "warm"))
         engine = Engine(EngineConfig(device="cpu")).start()
         timed(common, os.path.join(root, "warm-local"), engine)
         for _ in range(args.repeats):  # NOTE: taking turns
-            runs["server"].append(timed(common + ["--url", server.grpc_url],
-                                        os.path.join(root, "s")))
+            for name, way in ways.items():
+                runs[name].append(timed(common + way, os.path.join(root, "s")))
             runs["local"].append(timed(common, os.path.join(root, "l"), engine))
         engine.shutdown()
     finally:
@@ -102,7 +125,8 @@ def main() -> None:
     for name, rs in runs.items():
         rows[name] = {"tokens_s": round(statistics.median(t / d for d, t, _ in rs), 1),
                       "mb_s": round(statistics.median(b / d / 1e6 for d, _, b in rs), 1)}
-    rows["server_vs_local"] = round(rows["server"]["tokens_s"] / rows["local"]["tokens_s"], 3)
+    for name in ways:
+        rows[f"{name}_vs_local"] = round(rows[name]["tokens_s"] / rows["local"]["tokens_s"], 3)
     write_result(args.out, {"benchmark": "extract_full_3_layers", "model": "SmolLM2-135M fp32",
                             "records": args.records, "prompt_tokens": args.length,
                             "layers": [0, 15, -1], **rows})

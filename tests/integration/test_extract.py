@@ -73,6 +73,28 @@ def test_server_equals_local(dataset, tmp_path, triton_server):
         assert ta == tb and torch.allclose(ra, rb, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("model, mode", [("llm", "full"), ("llm_capped", "last")])
+def test_shared_memory_rows_equal_the_grpc_ones(dataset, tmp_path, triton_server, model, mode):
+    """Rows through system shared memory (llm: FP32 on the wire; llm_capped: BF16) are the
+    bytes the gRPC messages carry (one request at a time: the same batches, the same bits);
+    without the admin key, or with a wrong one, refused."""
+    common = ["--url", triton_server.grpc_url, "--max-tokens", "2", "--concurrency", "1",
+              "--mode", mode, "--triton-model", model, "--dtype", "bfloat16"]
+    key = ["--admin-key", triton_server.admin_key]
+    assert extract(dataset, tmp_path / "grpc", *common, "--transport", "grpc") == 0
+    assert extract(dataset, tmp_path / "shm", *common, "--transport", "shm", *key) == 0
+    a, b = records(tmp_path / "grpc"), records(tmp_path / "shm")
+    assert a[0] == b[0] and len(a[1]) == 9  # NOTE: 12 records, 3 refused
+    for (ta, ra), (tb, rb) in zip(a[1], b[1]):
+        assert ta == tb and ra.dtype == torch.bfloat16 and torch.equal(ra, rb)
+    assert extract(dataset, tmp_path / "nokey", *common, "--transport", "shm") == 2
+    assert extract(dataset, tmp_path / "bad", *common, "--transport", "shm",
+                   "--admin-key", "wrong") == 2
+    # auto with the key on this host: shared memory; the same bytes again
+    assert extract(dataset, tmp_path / "auto", *common, *key) == 0
+    assert records(tmp_path / "auto")[1][0][1].equal(b[1][0][1])
+
+
 def test_a_killed_run_resumes_to_the_same_bytes(dataset, tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     # NOTE: a shard per record; one record at a time: batches of other sizes change the rows'
@@ -98,3 +120,15 @@ def test_a_killed_run_resumes_to_the_same_bytes(dataset, tmp_path):
     for f in names:
         assert (whole / f).read_bytes() == (killed / f).read_bytes(), f
     assert extract(dataset, killed, "--local", "--layers", "-1") == 2, "other arguments refused"
+
+
+def test_progress_line_gives_the_time_left():
+    from hsserve.extract.run import Progress
+
+    p = Progress(tty=False, total=10)
+    p.t0 -= 8.0  # NOTE: 8 s in, 4 of 10 lines seen: 12 s left
+    for _ in range(3):
+        p.done(100, 1 << 20)
+    p.skip(7, "bad json")
+    line = p.line()
+    assert "3 records" in line and "1 skipped" in line and "ETA 0:00:12" in line

@@ -15,8 +15,10 @@ from hsserve.engine.config import EngineConfig
 from hsserve.engine.setup import load_tokenizer, model_folder
 from hsserve.extract.records import BadRecord, read_records
 from hsserve.extract.shards import ShardWriter
+from hsserve.extract.shared_memory import admin_key, local_host
 from hsserve.extract.sources import Ask, LocalSource, ServerSource
 from hsserve.models.spec import ModelSpec
+from hsserve.triton.server import ADMIN_KEY_ENV
 
 log = logging.getLogger("hsserve.extract")
 
@@ -44,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="model folder (tokenizer; --local: weights)")
     p.add_argument("--device", default="auto", help="--local: auto, cpu, cuda[:N]")
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--transport", choices=["auto", "shm", "grpc"], default="auto",
+                   help="--url: rows through system shared memory (needs the admin key and the "
+                        "server on this host) or in the gRPC messages; auto: shm when it can")
+    p.add_argument("--triton-model", default="llm", help="--url: the served model's name")
+    p.add_argument("--admin-key", help=f"the server's admin key (default: ${ADMIN_KEY_ENV})")
     p.add_argument("--shard-mb", type=float, default=512)
 
 
@@ -68,7 +75,10 @@ def main(args: argparse.Namespace) -> int:
                                      hidden_dtype=args.dtype)).start()
         source, tokenizer = LocalSource(engine, ask), engine.tokenizer
     else:
-        source, tokenizer = ServerSource(args.url, ask, args.concurrency), load_tokenizer(folder)
+        source = server_source(args, ask, spec.hidden_size * len(layers))
+        if source is None:
+            return 2
+        tokenizer = load_tokenizer(folder)
     try:
         return _extract(args, writer, source, tokenizer)
     finally:
@@ -78,9 +88,32 @@ def main(args: argparse.Namespace) -> int:
             source.close()
 
 
+def server_source(args, ask: Ask, width: int) -> ServerSource | None:
+    """The gRPC source over the transport asked (auto: shared memory when the server is on this
+    host and the admin key is known, falling back to the messages if the server refuses)."""
+    import tritonclient.grpc as grpcclient
+
+    key = admin_key(args.admin_key)
+    shm = args.transport == "shm" or (args.transport == "auto" and key and local_host(args.url))
+    if args.transport == "shm" and not key:
+        log.error("--transport shm: the server's admin key is needed (--admin-key or $%s)",
+                  ADMIN_KEY_ENV)
+        return None
+    if shm:
+        try:
+            return ServerSource(args.url, ask, args.concurrency, args.triton_model,
+                                shared_memory=key, width=width)
+        except grpcclient.InferenceServerException as e:
+            if args.transport == "shm":
+                log.error("--transport shm: the server refused the shared memory: %s", e.message())
+                return None
+            log.warning("rows through gRPC: the server refused shared memory (%s)", e.message())
+    return ServerSource(args.url, ask, args.concurrency, args.triton_model)
+
+
 def _extract(args, writer: ShardWriter, source, tokenizer) -> int:
-    progress = Progress(sys.stderr.isatty())
     start = writer.next_line
+    progress = Progress(sys.stderr.isatty(), count_lines(args.input) - start)
     if start:
         log.info("resuming after %d finished shards (from line %d)", len(writer.shards), start)
 
@@ -110,11 +143,17 @@ def _extract(args, writer: ShardWriter, source, tokenizer) -> int:
     return 0
 
 
-class Progress:
-    """Records/s, tokens/s, MB/s: a line redrawn on a terminal, a log line every 10 s otherwise."""
+def count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
-    def __init__(self, tty: bool):
-        self.tty, self.t0, self.last = tty, time.monotonic(), 0.0
+
+class Progress:
+    """Records/s, tokens/s, MB/s and the time left (from `total`, the lines still to read): a line
+    redrawn on a terminal, a log line every 10 s otherwise."""
+
+    def __init__(self, tty: bool, total: int = 0):
+        self.tty, self.t0, self.last, self.total = tty, time.monotonic(), 0.0, total
         self.records = self.skipped = self.tokens = self.bytes = 0
 
     def skip(self, line: int, reason: str) -> None:
@@ -133,8 +172,13 @@ class Progress:
 
     def line(self) -> str:
         dt = max(time.monotonic() - self.t0, 1e-9)
+        seen = self.records + self.skipped
+        eta = ""
+        if self.total and seen:
+            left = max(self.total - seen, 0) * dt / seen
+            eta = f", ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
         return (f"{self.records} records ({self.records / dt:.1f}/s), {self.tokens / dt:.0f} "
-                f"tokens/s, {self.bytes / dt / 1e6:.1f} MB/s, {self.skipped} skipped")
+                f"tokens/s, {self.bytes / dt / 1e6:.1f} MB/s, {self.skipped} skipped{eta}")
 
     def summary(self, shards: int) -> None:
         if self.tty:

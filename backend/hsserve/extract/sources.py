@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hsserve.extract.records import Record
+from hsserve.extract.shared_memory import OutputRegion
 from hsserve.request import GenerationRequest, RequestError, SamplingParams
 
 
@@ -62,27 +63,46 @@ class LocalSource:
         return list(res.token_ids), res.hidden.to(self.ask.dtype)
 
 
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A copy as a tensor; BF16 outputs come as ml_dtypes' bfloat16, which torch cannot read."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, copy=True))
+
+
 class ServerSource:
     """`concurrency` gRPC streams to `llm`, one request in flight on each (a stream's error
     carries no request id); requests carry input_ids (tokenized here: each row's token must be
-    known)."""
+    known). shared_memory (the admin key): each stream's rows come through a system
+    shared-memory region (extract/shared_memory.py) of up to `width` values a row."""
 
-    def __init__(self, url: str, ask: Ask, concurrency: int, model: str = "llm"):
+    def __init__(self, url: str, ask: Ask, concurrency: int, model: str = "llm",
+                 shared_memory: str | None = None, width: int = 0):
         import tritonclient.grpc as grpcclient
 
-        self.grpc, self.ask, self.model = grpcclient, ask, model
+        self.grpc, self.ask, self.model, self.width = grpcclient, ask, model, width
         self._streams = []
-        for _ in range(concurrency):
-            client = grpcclient.InferenceServerClient(url)
-            box: queue.SimpleQueue = queue.SimpleQueue()
-            client.start_stream(callback=lambda result, error, box=box: box.put((result, error)))
-            self._streams.append((client, box))
+        try:
+            for _ in range(concurrency):
+                client = grpcclient.InferenceServerClient(url)
+                box: queue.SimpleQueue = queue.SimpleQueue()
+                client.start_stream(callback=lambda result, error, box=box: box.put((result, error)))
+                region = OutputRegion(client, shared_memory) if shared_memory else None
+                self._streams.append((client, box, region))
+                if region is not None:  # NOTE: refused here (key, host) rather than per record
+                    region.ensure(1)
+        except Exception:
+            self.close()
+            raise
         self._turn = 0
 
     def close(self) -> None:
-        for client, _ in self._streams:
-            client.stop_stream()
+        for client, _, region in self._streams:
+            client.stop_stream()  # NOTE: first: the server holds a region until its request ends
+            if region is not None:
+                region.close()
             client.close()
+        self._streams = []
 
     def run(self, records: Iterable[Record], concurrency: int) -> Iterator:
         # NOTE: in_order finishes requests first in, first out: the stream taken in turn is free
@@ -100,15 +120,24 @@ class ServerSource:
         for name, arr, dtype in fields:
             inputs.append(g.InferInput(name, list(arr.shape), dtype))
             inputs[-1].set_data_from_numpy(arr)
-        client, box = self._streams[self._turn]
+        client, box, region = self._streams[self._turn]
         self._turn = (self._turn + 1) % len(self._streams)
-        outputs = [g.InferRequestedOutput(n) for n in ("output_ids", "HIDDEN_STATES")]
+        outputs = [g.InferRequestedOutput("output_ids")]
+        if region is None:
+            outputs.append(g.InferRequestedOutput("HIDDEN_STATES"))
+        else:  # NOTE: room for every row the request may have, at 4 bytes a value
+            region.ensure((len(record.input_ids) + a.max_tokens) * self.width * 4)
+            outputs.append(region.requested(g))
         client.async_stream_infer(self.model, inputs, outputs=outputs)
-        return box
+        return box, region
 
-    def _finish(self, box):
+    def _finish(self, handle):
+        box, region = handle
         result, error = box.get(timeout=3600)
         if error is not None:
             return error.message() if hasattr(error, "message") else str(error)
-        rows = torch.from_numpy(np.array(result.as_numpy("HIDDEN_STATES"), copy=True))
+        if region is not None:
+            rows = region.read(result)
+        else:
+            rows = as_tensor(result.as_numpy("HIDDEN_STATES"))
         return result.as_numpy("output_ids").tolist(), rows.to(self.ask.dtype)

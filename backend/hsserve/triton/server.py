@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 ADMIN_HEADER = "hsserve-admin-key"
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER  # NOTE: the gRPC endpoint's name for it
 ADMIN_KEY_ENV = "HSSERVE_ADMIN_KEY"  # NOTE: its value, or a random one per start
 RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"
 
