@@ -25,7 +25,10 @@ def set_parameter(config_path: str, key: str, value: str) -> None:
         f.write(text)
 
 
-def make_repository(root: str, smollm_dir: str) -> str:
+FAMILIES = ("phi3", "mixtral", "qwen3_moe")  # NOTE: served as llm_<family>, tiny random models
+
+
+def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | None = None) -> str:
     repo = os.path.join(root, "model_repository")
     shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
     capped = os.path.join(repo, "llm_capped")
@@ -50,6 +53,19 @@ def make_repository(root: str, smollm_dir: str) -> str:
         cfg = os.path.join(repo, name, "config.pbtxt")
         set_parameter(cfg, "model", smollm_dir)
         add_parameter(cfg, "kv_cache_max_bytes", str(512 << 20))  # several servers share 24 GiB
+    for family, folder in (family_dirs or {}).items():
+        name = f"llm_{family}"
+        shutil.copytree(os.path.join(REPO, "llm"), os.path.join(repo, name),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        cfg = os.path.join(repo, name, "config.pbtxt")
+        with open(cfg) as f:
+            text = f.read().replace('name: "llm"', f'name: "{name}"')
+        with open(cfg, "w") as f:
+            f.write(text)
+        set_parameter(cfg, "model", folder)
+        set_parameter(cfg, "max_num_seqs", "4")
+        set_parameter(cfg, "engine_process", "false")  # NOTE: one process fewer each
+        add_parameter(cfg, "kv_cache_max_bytes", str(32 << 20))
     return repo
 
 
@@ -63,13 +79,13 @@ def add_parameter(config_path: str, key: str, value: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def triton_server(tmp_path_factory, smollm_dir):
+def triton_server(tmp_path_factory, smollm_dir, tiny_model_dir):
     root = str(tmp_path_factory.mktemp("triton"))
-    repo = make_repository(root, smollm_dir)
+    repo = make_repository(root, smollm_dir, {f: tiny_model_dir(f) for f in FAMILIES})
     server = start_server(repo, log_path=os.path.join(root, "server.log"))
     try:
         server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped", "llm_sync_last", "hidden_classifier",
-                                                   "llm_classifier"))
+                                                   "llm_classifier", *(f"llm_{f}" for f in FAMILIES)))
         yield server
     finally:
         server.stop()
