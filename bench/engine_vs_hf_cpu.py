@@ -60,8 +60,8 @@ def hf_run(model, batch: list[list[int]], new: int) -> float:
 
 
 def hf_part(args) -> None:
-    """Child process: runs transformers generate on the batch size each stdin line names and
-    prints its tok/s as one line, until stdin closes."""
+    """Child process: runs transformers generate on the prompts each stdin line names
+    ("batch [repeat]": prompts(batch, ..., repeat)) and prints its tok/s, until stdin closes."""
     from transformers import AutoModelForCausalLM
 
     folder = model_folder(EngineConfig(model=args.model))
@@ -70,8 +70,9 @@ def hf_part(args) -> None:
     hf_run(hf, prompts(2, args.prompt_len, vocab), 8)
     print("HF_READY", flush=True)
     for line in sys.stdin:
-        b = int(line)
-        print(f"HF_RESULT {hf_run(hf, prompts(b, args.prompt_len, vocab), args.new)}", flush=True)
+        b, r = (int(x) for x in (line.split() + ["0"])[:2])  # "batch [repeat]"
+        print(f"HF_RESULT {hf_run(hf, prompts(b, args.prompt_len, vocab, r), args.new)}",
+              flush=True)
 
 
 class HFChild:
@@ -90,8 +91,9 @@ class HFChild:
                 return line[len(tag):].strip()
         raise RuntimeError(f"transformers child ended (exit {self.proc.wait()})")
 
-    def run(self, batch: int) -> float:
-        self.proc.stdin.write(f"{batch}\n")
+    def run(self, batch: int, repeat: int = 0) -> float:
+        """tok/s of one run on `prompts(batch, ..., repeat)`."""
+        self.proc.stdin.write(f"{batch} {repeat}\n")
         self.proc.stdin.flush()
         return float(self._read("HF_RESULT"))
 
@@ -115,7 +117,7 @@ def measure(args) -> tuple[dict[int, list[tuple[float, float]]], Engine]:
             for r in range(args.repeats):
                 ours = engine_run(engine, prompts(b, args.prompt_len, vocab, r), args.new,
                                   f"b{b}r{r}-")
-                pairs[b].append((ours, hf.run(b)))
+                pairs[b].append((ours, hf.run(b, r)))
                 print(f"batch {b} repeat {r}: engine {ours:.1f} tok/s, transformers "
                       f"{pairs[b][-1][1]:.1f}", flush=True)
     finally:
