@@ -25,8 +25,8 @@ def smollm_dir() -> str:
 
 def tiny_config(family: str):
     """A small random config of each family, using SmolLM2's vocabulary so text works."""
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=49152,
@@ -56,8 +56,20 @@ def tiny_config(family: str):
         rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
                     short_factor=[1.0 + 0.1 * i for i in range(half)],
                     long_factor=[2.0 + 0.3 * i for i in range(half)])
-        return Phi3Config(**common, rope_parameters=rope, sliding_window=40,
+        return Phi3Config(**common, rope_parameters=rope, sliding_window=40, initializer_range=0.25,
                           original_max_position_embeddings=256, tie_word_embeddings=False)
+    if family == "gemma3":  # NOTE: sliding / full layers, their ropes (global linear x8), capping
+        rope = {"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                "sliding_attention": dict(rope_type="default", rope_theta=1e4)}
+        # NOTE: larger weights: peaked attention and logits, so the ropes and the capping show
+        cfg = Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                               initializer_range=0.25,
+                               layer_types=["sliding_attention", "full_attention",
+                                            "sliding_attention"],
+                               rope_parameters=rope, final_logit_softcapping=30.0,
+                               tie_word_embeddings=True)
+        cfg.architectures = ["Gemma3ForCausalLM"]
+        return cfg
     if family == "mixtral":  # NOTE: 4 experts, 2 a token, renormalized; a sliding window
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                              sliding_window=24, tie_word_embeddings=False)

@@ -1,8 +1,9 @@
 """Issue 29 on the CPU: mixture of experts (Mixtral, Qwen3-MoE): routing is a row's own (a tie
-included, whatever else is in the batch), the prefix cache and chunked prefill change nothing,
-configs we would compute wrongly are refused by field; Phi-3's long-rope frequencies and attention
-factor are transformers'. (Tokens and rows against transformers, alone and batched, for every
-family: test_engine_parity.py.)"""
+included, whatever else is in the batch); the prefix cache and chunked prefill change nothing (MoE,
+Gemma 3's two windows, Phi-3); configs we would compute wrongly are refused by field; Phi-3's
+long-rope frequencies and attention factor are transformers'; Gemma 3's final soft-capping shows
+in logprobs. (Tokens and rows against transformers, alone and batched, for every family:
+test_engine_parity.py.)"""
 
 from __future__ import annotations
 
@@ -53,12 +54,25 @@ def test_configs_we_cannot_compute_are_refused_by_field(over, field):
         moe_spec(**over)
 
 
+@pytest.mark.parametrize("over, field", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"hidden_activation": "gelu"}, "hidden_activation"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+])
+def test_gemma_configs_we_cannot_compute_are_refused_by_field(tiny_model_dir, over, field):
+    cfg = json.load(open(os.path.join(tiny_model_dir("gemma3"), "config.json")))
+    spec = ModelSpec.from_hf_dict(cfg)
+    assert spec.layer_windows == (24, None, 24) and spec.rope_local["rope_theta"] == 1e4
+    with pytest.raises(ValueError, match=field):
+        ModelSpec.from_hf_dict({**cfg, **over})
+
+
 def test_dense_layers_of_a_moe_model():
     spec = moe_spec(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2)
     assert [spec.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gemma3", "phi3"])
 def test_prefix_cache_and_chunked_prefill_equal_transformers(family, tiny_model_dir, hf_model):
     folder = tiny_model_dir(family)
     hf = hf_model(folder)
@@ -119,3 +133,24 @@ def test_longrope_frequencies_and_attention_factor_equal_transformers(tiny_model
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         ModelSpec.from_hf_dict({**json.load(open(os.path.join(folder, "config.json"))),
                                 "partial_rotary_factor": 0.75})
+
+
+def test_gemma3_logprobs_see_the_final_soft_capping(tiny_model_dir, hf_model):
+    """Gemma 3's final logit soft-capping leaves greedy tokens alone but not log-probabilities:
+    they equal transformers' (which caps), greedy and sampled."""
+    from test_logprobs import check
+
+    folder = tiny_model_dir("gemma3")
+    hf = hf_model(folder)
+    engine = Engine(EngineConfig(model=folder, device="cpu")).start()
+    try:
+        prompt = [5, 6, 7, 8, 9]
+        for sp in (SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3),
+                   SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True,
+                                  logprobs=2)):
+            res = engine.generate(GenerationRequest(f"g{sp.temperature}", prompt_ids=prompt,
+                                                    sampling=sp), timeout=120)
+            check(res, prompt, hf, sp.logprobs)
+            assert max(abs(e.logprob) for e in res.logprobs) > 0.5, "peaked enough to tell"
+    finally:
+        engine.shutdown()

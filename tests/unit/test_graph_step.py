@@ -48,8 +48,8 @@ class FakeGraphs:
 
 
 def make_executor() -> Executor:
-    spec = SimpleNamespace(sliding_window=None, head_dim=16, num_heads=2, num_kv_heads=1,
-                           eos_token_ids=(0,))
+    spec = SimpleNamespace(sliding_window=None, layer_windows=(), head_dim=16, num_heads=2,
+                           num_kv_heads=1, eos_token_ids=(0,))
     model = SimpleNamespace(spec=spec, embed=SimpleNamespace(dtype=torch.float32))
     ex = Executor(model, torch.zeros(1, 2, 4, 4, 1, 16), block_size=4, max_num_seqs=8)
     ex.graphs = FakeGraphs()

@@ -42,6 +42,8 @@ class Executor:
         self.block_size = block_size
         self.device = kv_cache.device
         self.window = model.spec.sliding_window
+        # NOTE: layers of two windows (Gemma 3): the torch path builds the sliding layers' masks too
+        self.layer_window = next((w for w in model.spec.layer_windows if w is not None), None)
         self.dtype = model.embed.dtype
         self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
         self.group = model.spec.num_heads // model.spec.num_kv_heads
@@ -66,6 +68,13 @@ class Executor:
         return [self._slot(block_table, p) for p in range(start, end)]
 
     def _attention_batch(self, chunks: list[Chunk], slot_mapping: list[int]) -> AttentionBatch:
+        batch = self._batch_for(chunks, slot_mapping, self.window)
+        if self.layer_window is not None and not self.kernels:
+            batch.windowed = self._batch_for(chunks, slot_mapping, self.layer_window)
+        return batch
+
+    def _batch_for(self, chunks: list[Chunk], slot_mapping: list[int],
+                   window: int | None) -> AttentionBatch:
         dev = self.device
         batch = AttentionBatch(slot_mapping=torch.tensor(slot_mapping, device=dev), kernels=self.kernels)
         decode = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
@@ -93,8 +102,8 @@ class Executor:
             if not self.kernels:  # NOTE: the reference needs a mask; the kernels read the lengths
                 keys = torch.arange(num_blocks * bs, device=dev)
                 mask = keys[None, :] < lens[:, None]
-                if self.window is not None:
-                    mask &= keys[None, :] > lens[:, None] - 1 - self.window
+                if window is not None:
+                    mask &= keys[None, :] > lens[:, None] - 1 - window
                 bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev)
                 batch.decode_bias = bias.masked_fill_(~mask, float("-inf"))
         groups: list[tuple[int, int, list[list[int]], torch.Tensor | None]] = []
@@ -102,7 +111,7 @@ class Executor:
             if c.num_tokens == 1:
                 continue
             slots = self._slots(c.seq.block_table, 0, c.end)
-            plain = c.start == 0 and (self.window is None or c.end <= self.window)
+            plain = c.start == 0 and (window is None or c.end <= window)
             if plain and groups:
                 start, n, members, mask = groups[-1]
                 # NOTE: equal fresh prompts in consecutive rows share one attention call
@@ -111,7 +120,7 @@ class Executor:
                     continue
             mask = None
             if not plain:
-                mask = visible_keys(torch.arange(c.start, c.end, device=dev), c.end, self.window)
+                mask = visible_keys(torch.arange(c.start, c.end, device=dev), c.end, window)
             groups.append((rows_of[i], c.num_tokens, [slots], mask))
         batch.spans = [
             Span(start, n, torch.tensor(members, device=dev), mask)

@@ -52,6 +52,8 @@ class AttentionBatch:
     # NOTE: True where the Triton kernels run this batch (CUDA): decode rows then need only
     # block tables + lengths, and K/V writes skip negative slots (padding rows of a CUDA graph)
     kernels: bool = False
+    # NOTE: the torch path where layers differ in window (Gemma 3): the sliding layers' masks
+    windowed: AttentionBatch | None = None
 
     @property
     def all_decode(self) -> bool:

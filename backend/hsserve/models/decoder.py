@@ -63,7 +63,7 @@ class Rotary:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, index: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads,
@@ -75,8 +75,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, spec.hidden_size)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.scale = spec.head_dim**-0.5 * attention_factor(spec.rope) ** 2
-        self.window = spec.sliding_window
+        self.scale = (spec.attn_scale or spec.head_dim**-0.5) * attention_factor(spec.rope) ** 2
+        self.window = spec.window_of(index)
+        # NOTE: Gemma 3's sliding layers rotate with a rope of their own
+        self.local_rope = spec.rope_local is not None and self.window is not None
 
     def forward(self, x, rope: Rotary, batch: AttentionBatch, kv, folded_eps: float | None = None):
         """x: the normed rows -> attention output; with folded_eps (the norm's weight folded into
@@ -97,7 +99,9 @@ class Attention(nn.Module):
                 q = qkv[:, :h]
             else:
                 q = self._rotate_and_store(qkv, rope, batch, kv, stream, folded_eps)
-        o = attend(q, kv, batch, self.scale, self.window)
+        # NOTE: where layers differ in window, the torch path's masks for the sliding ones
+        b = batch.windowed if self.window is not None and batch.windowed is not None else batch
+        o = attend(q, kv, b, self.scale, self.window)
         return self.o_proj(o.reshape(len(x), -1), into=stream)
 
     def _rotate_and_store(self, qkv, rope, batch, kv, stream, folded_eps):
@@ -119,11 +123,15 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size)
         self.down = Linear(spec.intermediate_size, spec.hidden_size)
+        self.gelu = spec.activation == "gelu_tanh"  # NOTE: Gemma's; the kernels are SiLU's
 
     def forward(self, x, folded_eps: float | None = None):
         """As Attention.forward: with folded_eps, x is the stream and the MLP output is added
         into it."""
         stream = x if folded_eps is not None else None
+        if self.gelu:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.gelu(gate, approximate="tanh") * up)
         if self.gate_up.takes_gemv(x):
             h = gemv_silu_mul(x, self.gate_up.weight, folded_eps)  # NOTE: one kernel
         else:
@@ -135,7 +143,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, index: int):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, index)
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MoE(spec) if spec.is_moe_layer(index) else MLP(spec)
 
@@ -156,12 +164,34 @@ class DecoderLayer(nn.Module):
         return self.mlp(stream, folded_eps=self.post_attn_norm.eps)
 
 
+class GemmaLayer(nn.Module):
+    """Gemma 3's layer: the attention and MLP outputs are normed before they join the residual
+    stream (four norms); the same contract as DecoderLayer."""
+
+    def __init__(self, spec: ModelSpec, index: int):
+        super().__init__()
+        h, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_norm, self.post_attn_norm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.pre_ff_norm, self.post_ff_norm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.attn = Attention(spec, index)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, residual, rope, batch, kv):
+        if residual is None:
+            h, residual = self.input_norm(x), x
+        else:
+            h, residual = self.input_norm(x, residual)
+        h, residual = self.pre_ff_norm(self.post_attn_norm(self.attn(h, rope, batch, kv)), residual)
+        return self.post_ff_norm(self.mlp(h)), residual
+
+
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
         self.embed = _param(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        layer = GemmaLayer if spec.gemma_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         if spec.tie_word_embeddings:
@@ -169,6 +199,9 @@ class Decoder(nn.Module):
         self.register_buffer(
             "inv_freq", inverse_frequencies(spec.head_dim, spec.rope), persistent=False
         )
+        local = spec.rope_local
+        self.register_buffer("inv_freq_local", inverse_frequencies(spec.head_dim, local)
+                             if local is not None else None, persistent=False)
         self.folded = False
 
     @torch.no_grad()
@@ -180,7 +213,7 @@ class Decoder(nn.Module):
         if self.folded:
             return True  # NOTE: once: a second fold would apply the weights twice
         spec, w = self.spec, self.layers[0].attn.qkv.weight
-        if (spec.qk_norm or spec.qkv_bias or spec.num_experts or w is None
+        if (spec.qk_norm or spec.qkv_bias or spec.num_experts or spec.gemma_norms or w is None
                 or w.dtype == torch.float16):
             return False
         for layer in self.layers:
@@ -222,17 +255,34 @@ class Decoder(nn.Module):
             capture.store(len(self.layers), x)
         return x
 
-    def _layers(self, input_ids, positions, batch, kv_cache, capture):
-        """embed -> layers: (x, residual) to which the final norm applies (residual None when
-        the norms are folded: x is the stream)."""
-        if input_ids.is_cuda:  # NOTE: one kernel
+    def _rotaries(self, input_ids, positions):
+        """(embedded rows, rope, the sliding layers' own rope or None)."""
+        fused = input_ids.is_cuda
+        if fused:  # NOTE: one kernel
             x, cos, sin = embed_rotary(input_ids, positions, self.embed, self.inv_freq)
             rope = Rotary(cos, sin, fused=True)
         else:
             x = F.embedding(input_ids, self.embed)
-            freqs = positions.float()[:, None] * self.inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            rope = Rotary(emb.cos().to(x.dtype), emb.sin().to(x.dtype), fused=False)
+            rope = self._rotary(positions, self.inv_freq, x.dtype, fused)
+        local = None
+        if self.inv_freq_local is not None:
+            local = self._rotary(positions, self.inv_freq_local, x.dtype, fused)
+        if self.spec.embed_scale != 1.0:  # NOTE: Gemma: scaled in the weights' dtype
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        return x, rope, local
+
+    @staticmethod
+    def _rotary(positions, inv_freq, dtype, fused: bool) -> Rotary:
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        if fused:  # NOTE: the CUDA kernels' form: float32 [tokens, head_dim // 2]
+            return Rotary(freqs.cos(), freqs.sin(), fused=True)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return Rotary(emb.cos().to(dtype), emb.sin().to(dtype), fused=False)
+
+    def _layers(self, input_ids, positions, batch, kv_cache, capture):
+        """embed -> layers: (x, residual) to which the final norm applies (residual None when
+        the norms are folded: x is the stream)."""
+        x, rope, local = self._rotaries(input_ids, positions)
         if capture is not None:
             capture.store(0, x)
         last = len(self.layers)
@@ -244,7 +294,8 @@ class Decoder(nn.Module):
             return x, None
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, batch, kv_cache[i])
+            r = local if layer.attn.local_rope else rope
+            x, residual = layer(x, residual, r, batch, kv_cache[i])
             if capture is not None and i + 1 < last and capture.wants(i + 1):
                 # NOTE: the layer's output, as the next norm sees it
                 capture.store(i + 1, residual + x)
@@ -256,7 +307,13 @@ class Decoder(nn.Module):
         w = self.lm_head.weight
         if hidden.is_cuda and w is not None:
             if w.dtype == torch.float32:
-                return torch.mm(hidden, w.t(), out=out)
-            return torch.mm(hidden, w.t(), out_dtype=torch.float32, out=out)
+                return self._softcap(torch.mm(hidden, w.t(), out=out))
+            return self._softcap(torch.mm(hidden, w.t(), out_dtype=torch.float32, out=out))
         logits = self.lm_head(hidden)
-        return logits.float() if out is None else out.copy_(logits)
+        logits = logits.float() if out is None else out.copy_(logits)
+        return self._softcap(logits)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma's final soft-capping, in place: cap * tanh(logits / cap)."""
+        cap = self.spec.logit_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)

@@ -65,6 +65,10 @@ def _hf_names(spec: ModelSpec, i: int) -> dict[str, list[str]]:
     if spec.qk_norm:
         names[f"{ours}.attn.q_norm.weight"] = [f"{a}.q_norm.weight"]
         names[f"{ours}.attn.k_norm.weight"] = [f"{a}.k_norm.weight"]
+    if spec.gemma_norms:
+        layer = f"model.layers.{i}"
+        names[f"{ours}.pre_ff_norm.weight"] = [f"{layer}.pre_feedforward_layernorm.weight"]
+        names[f"{ours}.post_ff_norm.weight"] = [f"{layer}.post_feedforward_layernorm.weight"]
     return names
 
 
@@ -134,11 +138,22 @@ def load_model(folder: str, dtype_name: str, device: torch.device, load_format: 
         random_weights(model)
     else:
         load_weights(model, folder)
+        if spec.gemma_norms:
+            plus_one_norms(model)
     if fold_norms_on(device) and model.fold_norms():
         log.info("norm weights folded into qkv / gate_up")
     if pack_for_cpu(model):
         log.info("CPU linears packed for oneDNN")
     return model
+
+
+@torch.no_grad()
+def plus_one_norms(model: Decoder) -> None:
+    """Gemma's norms scale by (1 + w): stored so, our RMSNorm scales by its weight (exact in
+    float32; a half-precision weight rounds 1 + w once)."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_((p.float() + 1.0).to(p.dtype))
 
 
 def fold_norms_on(device: torch.device) -> bool:

@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
@@ -43,6 +44,45 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=renorm, dense_layers=dense)
 
 
+def _rope_of(params: dict[str, Any] | None, theta: float) -> dict[str, Any]:
+    rope = dict(params or {})
+    rope.setdefault("rope_theta", theta)
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def _gemma_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 (text): scaled embeddings, (1 + w) norms, four norms a layer, a gelu MLP, its own
+    attention scale, sliding and full layers with a rope of each kind, optional final logit
+    soft-capping; what we would compute wrongly is refused by field."""
+    if family != "gemma3":
+        return {}
+    for field_ in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if cfg.get(field_):
+            raise ValueError(f"{field_}: {cfg[field_]!r} is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation: {act!r} is not supported; supported: 'gelu_pytorch_tanh'")
+    n = cfg["num_hidden_layers"]
+    pattern = int(cfg.get("sliding_window_pattern", 6))
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(n)]
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # NOTE: transformers 5's form; checkpoints carry the older one
+        full, local = params["full_attention"], params.get("sliding_attention")
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    window = cfg.get("sliding_window")
+    return dict(
+        rope=_rope_of(full, 1e6), rope_local=_rope_of(local, 1e4),
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        embed_scale=float(cfg["hidden_size"]) ** 0.5, gemma_norms=True, activation="gelu_tanh",
+        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        logit_softcap=cfg.get("final_logit_softcapping"),
+    )
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     family: str
@@ -67,6 +107,17 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # NOTE: the chosen experts' weights renormalized to sum to 1
     dense_layers: tuple[int, ...] = ()  # NOTE: of a MoE model, the layers with a plain MLP
+    # NOTE: Gemma 3's (defaults: the Llama family's)
+    rope_local: dict[str, Any] | None = None  # rope of the sliding layers, when it differs
+    layer_windows: tuple[int | None, ...] = ()  # per layer, when they differ (else sliding_window)
+    embed_scale: float = 1.0
+    gemma_norms: bool = False  # (1 + w) weights; post-attention, pre- and post-feed-forward norms
+    activation: str = "silu"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    logit_softcap: float | None = None
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.dense_layers
@@ -81,7 +132,7 @@ class ModelSpec:
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
+        if act != "silu" and family != "gemma3":
             raise ValueError(f"hidden_act: {act!r} is not supported; supported: 'silu'")
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -101,6 +152,9 @@ class ModelSpec:
         window = cfg.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe"):
             window = window if cfg.get("use_sliding_window", False) else None
+        gemma = _gemma_fields(family, cfg)
+        if gemma:
+            rope, window = gemma.pop("rope"), None  # NOTE: windows per layer
         eos: list[int] = []
         for src in (cfg, generation_cfg or {}):
             val = src.get("eos_token_id")
@@ -120,12 +174,13 @@ class ModelSpec:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             sliding_window=window,
             rope=rope,
             eos_token_ids=tuple(eos),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             **_moe_fields(family, cfg),
+            **gemma,
         )
 
     @classmethod
