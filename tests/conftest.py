@@ -25,7 +25,7 @@ def smollm_dir() -> str:
 
 def tiny_config(family: str):
     """A small random config of each family, using SmolLM2's vocabulary so text works."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
                               Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
@@ -58,6 +58,10 @@ def tiny_config(family: str):
                     long_factor=[2.0 + 0.3 * i for i in range(half)])
         return Phi3Config(**common, rope_parameters=rope, sliding_window=40, initializer_range=0.25,
                           original_max_position_embeddings=256, tie_word_embeddings=False)
+    if family == "gemma2":  # NOTE: attention and final soft-capping, alternating windows
+        return Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                            initializer_range=0.25, attn_logit_softcapping=5.0,
+                            final_logit_softcapping=30.0, tie_word_embeddings=True)
     if family == "gemma3":  # NOTE: sliding / full layers, their ropes (global linear x8), capping
         rope = {"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
                 "sliding_attention": dict(rope_type="default", rope_theta=1e4)}

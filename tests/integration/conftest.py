@@ -25,7 +25,7 @@ def set_parameter(config_path: str, key: str, value: str) -> None:
         f.write(text)
 
 
-FAMILIES = ("phi3", "gemma3", "mixtral", "qwen3_moe")  # NOTE: served as llm_<family>, tiny random models
+FAMILIES = ("phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")  # NOTE: served as llm_<family>, tiny random models
 
 
 def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | None = None) -> str:

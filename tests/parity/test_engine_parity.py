@@ -58,7 +58,8 @@ def mixed_requests(prompts, max_new: int, tag: str) -> list[GenerationRequest]:
     ]
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral",
+            "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,6 +1,6 @@
 """Issue 29 on the CPU: mixture of experts (Mixtral, Qwen3-MoE): routing is a row's own (a tie
 included, whatever else is in the batch); the prefix cache and chunked prefill change nothing (MoE,
-Gemma 3's two windows, Phi-3); configs we would compute wrongly are refused by field; Phi-3's
+Gemma 2 / 3's two windows, Phi-3); configs we would compute wrongly are refused by field; Phi-3's
 long-rope frequencies and attention factor are transformers'; Gemma 3's final soft-capping shows
 in logprobs. (Tokens and rows against transformers, alone and batched, for every family:
 test_engine_parity.py.)"""
@@ -55,7 +55,7 @@ def test_configs_we_cannot_compute_are_refused_by_field(over, field):
 
 
 @pytest.mark.parametrize("over, field", [
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),  # NOTE: Gemma 2's, not 3's
     ({"hidden_activation": "gelu"}, "hidden_activation"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
 ])
@@ -72,7 +72,7 @@ def test_dense_layers_of_a_moe_model():
     assert [spec.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3"])
 def test_prefix_cache_and_chunked_prefill_equal_transformers(family, tiny_model_dir, hf_model):
     folder = tiny_model_dir(family)
     hf = hf_model(folder)

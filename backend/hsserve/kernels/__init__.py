@@ -33,7 +33,9 @@ def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Attentio
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, batch: AttentionBatch, scale: float,
-           window: int | None) -> torch.Tensor:
+           window: int | None, softcap: float | None = None) -> torch.Tensor:
+    """softcap (Gemma 2): the torch path only (the executor runs no kernels for such a model)."""
+    assert softcap is None or not batch.kernels, "the attention kernels do not soft-cap"
     if batch.kernels and batch.varlen is not None:
         from hsserve.kernels.paged_prefill_attention import paged_varlen_attention
 
@@ -43,4 +45,4 @@ def attend(q: torch.Tensor, kv: torch.Tensor, batch: AttentionBatch, scale: floa
 
         return paged_decode_attention(q, kv, batch.decode_block_tables, batch.decode_seq_lens,
                                       scale, window, counters=batch.decode_counters)
-    return paged_attention_ref(q, kv, batch, scale)
+    return paged_attention_ref(q, kv, batch, scale, softcap)

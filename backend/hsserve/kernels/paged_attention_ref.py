@@ -25,11 +25,30 @@ def _gather(flat: torch.Tensor, index: torch.Tensor, half: int) -> torch.Tensor:
     return flat.index_select(0, torch.cat((index, index + half)))
 
 
+def _attention(q, k, v, mask, scale: float, softcap: float | None, causal: bool = False):
+    """scaled_dot_product_attention (mask additive or boolean; causal: no mask), or with softcap
+    the same by hand with the scores capped (cap * tanh(s / cap)) before the mask, as Gemma 2."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              is_causal=causal, enable_gqa=q.shape[-3] != k.shape[-3])
+    if q.shape[-3] != k.shape[-3]:  # NOTE: grouped heads: each KV head serves a group
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     kv: torch.Tensor,
     batch: AttentionBatch,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, head_dim] -> [tokens, heads, head_dim].
 
@@ -47,10 +66,8 @@ def paged_attention_ref(
         qd = q if batch.all_decode else q.index_select(0, batch.decode_rows)
         # NOTE: one query per sequence, so the heads sharing a KV head are folded into the
         # query axis ([B, kvh, group, d]): plain attention, no GQA expansion (faster on CPU)
-        o = F.scaled_dot_product_attention(
-            qd.view(n, kv_heads, -1, head_dim), k, v,
-            attn_mask=batch.decode_bias[:, None, None, :], scale=scale,
-        ).reshape(n, -1, head_dim)
+        o = _attention(qd.view(n, kv_heads, -1, head_dim), k, v,
+                       batch.decode_bias[:, None, None, :], scale, softcap).reshape(n, -1, head_dim)
         if batch.all_decode:
             return o
         out[batch.decode_rows] = o
@@ -62,11 +79,8 @@ def paged_attention_ref(
         gathered = _gather(kv.view(-1, kv_heads, head_dim), span.slots.view(-1), slots_per_half)
         gathered = gathered.view(2, g, -1, kv_heads, head_dim).transpose(2, 3)
         k, v = gathered[0], gathered[1]
-        if span.mask is None:  # NOTE: whole prompts, no window: plain causal
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            o = F.scaled_dot_product_attention(
-                qs, k, v, attn_mask=span.mask[None, None], scale=scale, enable_gqa=True
-            )
+        # NOTE: no mask: whole prompts, no window: plain causal
+        mask = span.mask[None, None] if span.mask is not None else None
+        o = _attention(qs, k, v, mask, scale, softcap, causal=span.mask is None)
         out[span.row_start : end] = o.transpose(1, 2).reshape(g * n, -1, head_dim)
     return out

@@ -1,5 +1,6 @@
 """The decoder forward: one class for the Llama family (Llama, Mistral, Qwen2 bias, Qwen3 q/k norm,
-Phi-3; Mixtral and Qwen3-MoE with experts in place of the MLP: models/moe.py).
+Phi-3; Mixtral and Qwen3-MoE with experts in place of the MLP: models/moe.py; Gemma 2 / 3 with
+GemmaLayer's four norms).
 
 Read top to bottom: embed -> layers (attention over the paged cache, MLP) -> final norm. Weights
 are plain parameters created uninitialized and filled by the loader; q/k/v and gate/up are fused.
@@ -79,6 +80,7 @@ class Attention(nn.Module):
         self.window = spec.window_of(index)
         # NOTE: Gemma 3's sliding layers rotate with a rope of their own
         self.local_rope = spec.rope_local is not None and self.window is not None
+        self.softcap = spec.attn_softcap
 
     def forward(self, x, rope: Rotary, batch: AttentionBatch, kv, folded_eps: float | None = None):
         """x: the normed rows -> attention output; with folded_eps (the norm's weight folded into
@@ -101,7 +103,7 @@ class Attention(nn.Module):
                 q = self._rotate_and_store(qkv, rope, batch, kv, stream, folded_eps)
         # NOTE: where layers differ in window, the torch path's masks for the sliding ones
         b = batch.windowed if self.window is not None and batch.windowed is not None else batch
-        o = attend(q, kv, b, self.scale, self.window)
+        o = attend(q, kv, b, self.scale, self.window, self.softcap)
         return self.o_proj(o.reshape(len(x), -1), into=stream)
 
     def _rotate_and_store(self, qkv, rope, batch, kv, stream, folded_eps):

@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -52,30 +53,37 @@ def _rope_of(params: dict[str, Any] | None, theta: float) -> dict[str, Any]:
 
 
 def _gemma_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3 (text): scaled embeddings, (1 + w) norms, four norms a layer, a gelu MLP, its own
-    attention scale, sliding and full layers with a rope of each kind, optional final logit
-    soft-capping; what we would compute wrongly is refused by field."""
-    if family != "gemma3":
+    """Gemma 2 / Gemma 3 (text): scaled embeddings, (1 + w) norms, four norms a layer, a gelu
+    MLP, its own attention scale, sliding and full layers (Gemma 3: with a rope of each kind),
+    final logit soft-capping (Gemma 2: attention soft-capping too); what we would compute wrongly
+    is refused by field."""
+    if family not in ("gemma2", "gemma3"):
         return {}
-    for field_ in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if cfg.get(field_):
-            raise ValueError(f"{field_}: {cfg[field_]!r} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: True is not supported")
+    if family == "gemma3" and cfg.get("attn_logit_softcapping"):
+        raise ValueError(f"attn_logit_softcapping: {cfg['attn_logit_softcapping']!r} is not "
+                         "supported for Gemma 3")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation: {act!r} is not supported; supported: 'gelu_pytorch_tanh'")
     n = cfg["num_hidden_layers"]
-    pattern = int(cfg.get("sliding_window_pattern", 6))
+    pattern = int(cfg.get("sliding_window_pattern", 6 if family == "gemma3" else 2))
     types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                        for i in range(n)]
     params = cfg.get("rope_parameters") or {}
-    if "full_attention" in params:  # NOTE: transformers 5's form; checkpoints carry the older one
+    if family == "gemma2":  # NOTE: one rope for every layer
+        full = params or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e4)}
+        local = None
+    elif "full_attention" in params:  # NOTE: transformers 5's form; checkpoints carry the older
         full, local = params["full_attention"], params.get("sliding_attention")
     else:
         full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
         local = {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
     window = cfg.get("sliding_window")
     return dict(
-        rope=_rope_of(full, 1e6), rope_local=_rope_of(local, 1e4),
+        rope=_rope_of(full, 1e6), rope_local=_rope_of(local, 1e4) if local is not None else None,
+        attn_softcap=cfg.get("attn_logit_softcapping") if family == "gemma2" else None,
         layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
         embed_scale=float(cfg["hidden_size"]) ** 0.5, gemma_norms=True, activation="gelu_tanh",
         attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -115,6 +123,7 @@ class ModelSpec:
     activation: str = "silu"
     attn_scale: float | None = None  # None: head_dim ** -0.5
     logit_softcap: float | None = None
+    attn_softcap: float | None = None  # NOTE: Gemma 2: cap * tanh(scores / cap) before the mask
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
@@ -132,7 +141,7 @@ class ModelSpec:
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         act = cfg.get("hidden_act", "silu")
-        if act != "silu" and family != "gemma3":
+        if act != "silu" and family not in ("gemma2", "gemma3"):
             raise ValueError(f"hidden_act: {act!r} is not supported; supported: 'silu'")
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
