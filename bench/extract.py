@@ -4,6 +4,8 @@ come in the gRPC messages (FP32, and BF16 from a copy of `llm` declaring HIDDEN_
 or through system shared memory (--transport shm).
 
     .venv/bin/python bench/extract.py          # -> results/extract_cpu.json
+    python3 bench/extract.py --shape llama-8b  # GPU: random bf16 weights, layers 2 16 29, bf16
+                                               # rows -> results/h200_extract_8b.json
 
 tokens/s = prompt tokens / the extraction's wall time, loading excluded (the server is started
 and warmed before; the in-process engine is started once and driven by the same loop the CLI
@@ -37,6 +39,8 @@ from hsserve.extract.run import _extract, add_arguments  # noqa: E402
 from hsserve.extract.shards import ShardWriter  # noqa: E402
 from hsserve.extract.sources import Ask, LocalSource  # noqa: E402
 from hsserve.triton.server import start_server  # noqa: E402
+from shapes import random_model  # noqa: E402
+from triton_stream_vs_direct import set_params  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "model_repository")
 
@@ -73,10 +77,13 @@ def local(argv: list[str], out: str, engine) -> None:
     assert _extract(a, writer, LocalSource(engine, ask), engine.tokenizer) == 0
 
 
-def bf16_repository(root: str) -> str:
-    """model_repository plus `llm_bf16`: llm with its rows in bfloat16 on the wire."""
+def bf16_repository(root: str, params: dict[str, str] | None = None) -> str:
+    """model_repository plus `llm_bf16`: llm with its rows in bfloat16 on the wire; params set
+    on both (the GPU shape's)."""
     repo = os.path.join(root, "model_repository")
     shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    if params:  # NOTE: before llm_bf16 copies llm
+        set_params(os.path.join(repo, "llm", "config.pbtxt"), params)
     cfg = os.path.join(repo, "llm_bf16", "config.pbtxt")
     shutil.copytree(os.path.join(repo, "llm"), os.path.dirname(cfg))
     with open(cfg) as f:
@@ -87,20 +94,56 @@ def bf16_repository(root: str) -> str:
     return repo
 
 
+def host_copy_gb_s() -> float:
+    """Device-to-pinned-host copy bandwidth (GB/s) of 1 GiB: what rows leaving the GPU can reach."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 5 * src.numel() * 2 / (time.perf_counter() - t) / 1e9
+
+
+def setting(shape: str) -> dict:
+    """What the run extracts and with which engine: SmolLM2 fp32 on the CPU, or a GPU shape."""
+    if not shape:
+        return dict(layers=["0", "15", "-1"], model="default", label="SmolLM2-135M fp32",
+                    engine=EngineConfig(device="cpu"), params=None)
+    folder = random_model(shape)
+    # NOTE: a short context bounds each engine's KV pool: the server's and this process's share
+    # the GPU
+    params = dict(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
+                  hidden_layers_captured="2 16 29", max_model_len="1024")
+    engine = EngineConfig(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
+                          hidden_layers_captured=(2, 16, 29), max_model_len=1024,
+                          hidden_dtype="bfloat16")
+    return dict(layers=["2", "16", "29"], model=folder, label=f"{shape} random bf16 (GPU)",
+                engine=engine, params=params)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=16)
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "extract_cpu.json"))
+    ap.add_argument("--shape", default="", help="GPU: a bench/shapes.py shape, random weights")
+    ap.add_argument("--out", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    run = setting(args.shape)
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", "h200_extract_8b.json"
+                                   if args.shape else "extract_cpu.json")
     root = tempfile.mkdtemp()
     data = os.path.join(root, "data.jsonl")
     dataset(data, args.records, args.length, 0)
-    common = ["extract", data, "--layers", "0", "15", "-1", "--mode", "full"]
-    server = start_server(bf16_repository(root), log_path=os.path.join(root, "server.log"))
+    common = ["extract", data, "--layers", *run["layers"], "--mode", "full", "--model", run["model"]]
+    if args.shape:
+        common += ["--dtype", "bfloat16"]
+    server = start_server(bf16_repository(root, run["params"]),
+                          log_path=os.path.join(root, "server.log"))
     runs: dict[str, list[tuple[float, int, int]]] = {"local": [], "server": [], "server_shm": [],
                                                      "server_bf16": [], "server_bf16_shm": []}
     try:
@@ -112,7 +155,7 @@ def main() -> None:
                                                         "--dtype", "bfloat16"]
         for name, way in ways.items():
             timed(common + way, os.path.join(root, "warm"))
-        engine = Engine(EngineConfig(device="cpu")).start()
+        engine = Engine(run["engine"]).start()
         timed(common, os.path.join(root, "warm-local"), engine)
         for _ in range(args.repeats):  # NOTE: taking turns
             for name, way in ways.items():
@@ -127,9 +170,11 @@ def main() -> None:
                       "mb_s": round(statistics.median(b / d / 1e6 for d, _, b in rs), 1)}
     for name in ways:
         rows[f"{name}_vs_local"] = round(rows[name]["tokens_s"] / rows["local"]["tokens_s"], 3)
-    write_result(args.out, {"benchmark": "extract_full_3_layers", "model": "SmolLM2-135M fp32",
-                            "records": args.records, "prompt_tokens": args.length,
-                            "layers": [0, 15, -1], **rows})
+    if args.shape:
+        rows["host_copy_gb_s"] = round(host_copy_gb_s(), 1)
+    write_result(out, {"benchmark": "extract_full_3_layers", "model": run["label"],
+                       "records": args.records, "prompt_tokens": args.length,
+                       "layers": [int(k) for k in run["layers"]], **rows})
     print(json.dumps(rows, indent=1))
 
 

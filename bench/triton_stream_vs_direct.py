@@ -55,19 +55,20 @@ def gpu_repository(folder: str, root: str, params: dict[str, str]) -> str:
     it is "default"), with `params` set."""
     dst = os.path.join(root, "llm")
     shutil.copytree(os.path.join(REPO, "llm"), dst)
-    path = os.path.join(dst, "config.pbtxt")
-    text = open(path).read()
-    text = re.sub(r'key: "model", value: \{ string_value: "[^"]*" \}',
-                  f'key: "model", value: {{ string_value: "{folder}" }}', text)
     random = {} if folder == "default" else {"load_format": "dummy", "dtype": "bfloat16"}
-    extra = random | params
-    for key, value in extra.items():
+    set_params(os.path.join(dst, "config.pbtxt"), {"model": folder} | random | params)
+    return root
+
+
+def set_params(path: str, params: dict[str, str]) -> None:
+    """Set (or add) string parameters of a config.pbtxt."""
+    text = open(path).read()
+    for key, value in params.items():
         text, n = re.subn(r'key: "%s", value: \{ string_value: "[^"]*" \}' % key,
                           f'key: "{key}", value: {{ string_value: "{value}" }}', text)
         if not n:
             text = text.replace("parameters [", f'parameters [\n  {{ key: "{key}", value: {{ string_value: "{value}" }} }},')
     open(path, "w").write(text)
-    return root
 
 
 def percentile(xs: list[float], q: float) -> float:
