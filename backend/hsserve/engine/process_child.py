@@ -14,6 +14,7 @@ from typing import Callable
 
 from hsserve.engine.config import EngineConfig
 from hsserve.engine.loop import Engine
+from hsserve.engine.setup import freeze_heap
 from hsserve.engine.messages import (Abort, Add, ClearCache, Deltas, Died, Failed, FailAll, Ready,
                                      SnapshotTaken, Stop, Stopped, TakeSnapshot, delta_to_wire,
                                      error_delta)
@@ -91,6 +92,7 @@ class _Child:
         except BaseException as e:  # noqa: BLE001 - handed to the parent's start()
             self.send(Failed(_portable(e)))
             return False
+        freeze_heap()  # NOTE: this process serves one engine for its whole life
         try:
             self.send(Ready(self.engine.info))
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that does not pickle

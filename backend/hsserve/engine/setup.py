@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -50,6 +51,16 @@ def model_folder(config: EngineConfig) -> str:
     if not os.path.exists(os.path.join(config.model, "config.json")):
         raise ConfigError(f"model: {config.model!r} is not a folder with config.json")
     return config.model
+
+
+def freeze_heap() -> None:
+    """Take what start-up allocated (torch, transformers, the tokenizer: millions of objects) out
+    of the garbage collector's sight, as a serving process's last start-up step: its full
+    collections, triggered by every step's short-lived objects, no longer walk all of it
+    (bench/README.md#garbage-collector). Not for a process that starts and drops engines (a
+    test run): what is frozen is never collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def load_tokenizer(folder: str):

@@ -18,6 +18,7 @@ import numpy as np
 from hsserve.engine.config import DEFAULT_MODEL, ConfigError
 from hsserve.engine.loop import Engine
 from hsserve.engine.process import EngineProcess
+from hsserve.engine.setup import freeze_heap
 from hsserve.request import EngineUnavailable, RequestError
 from hsserve.triton.config import split_parameters
 from hsserve.triton.inflight import Inflight, InflightRequests
@@ -88,6 +89,7 @@ class TritonPythonModel:
         log.log_info(f"hsserve: {info.spec.family} {info.spec.num_layers} layers, hidden "
                      f"{info.spec.hidden_size}, ceiling {engine_config.hidden_states_ceiling.label}, "
                      f"max_model_len {info.max_model_len}")
+        freeze_heap()  # NOTE: the stub process serves this model for its whole life
 
     def execute(self, requests):
         for request in requests:
