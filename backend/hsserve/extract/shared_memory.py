@@ -34,12 +34,15 @@ def admin_key(given: str | None) -> str | None:
     return given or os.environ.get(ADMIN_KEY_ENV) or None
 
 
-def _as_numpy(raw: np.ndarray, datatype: str, shape: list[int]) -> torch.Tensor:
-    """The region's bytes as a tensor of the response's datatype (numpy has no bfloat16)."""
-    if datatype == "BF16":
-        return torch.from_numpy(raw.view(np.uint16).copy()).view(torch.bfloat16).reshape(shape)
-    dtype = {"FP32": np.float32, "FP16": np.float16}[datatype]
-    return torch.from_numpy(raw.view(dtype).copy()).reshape(shape)
+# NOTE: how each HIDDEN_STATES datatype lies in the region (numpy has no bfloat16: its 16-bit words)
+_LAYOUT = {"FP32": np.float32, "FP16": np.float16, "BF16": np.uint16}
+
+
+def to_tensor(array: np.ndarray, bf16: bool) -> torch.Tensor:
+    """A copy of `array` as a tensor; bf16: its 16-bit words are bfloat16 values."""
+    if bf16:
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, copy=True))
 
 
 class OutputRegion:
@@ -74,10 +77,8 @@ class OutputRegion:
         """A copy of the rows the response put in the region."""
         out = result.get_output("HIDDEN_STATES")
         shape = [int(d) for d in out.shape]
-        itemsize = 2 if out.datatype in ("BF16", "FP16") else 4
-        nbytes = int(np.prod(shape)) * itemsize
-        raw = self.shm.get_contents_as_numpy(self.handle, np.uint8, [self.size])[:nbytes]
-        return _as_numpy(raw, out.datatype, shape)
+        rows = self.shm.get_contents_as_numpy(self.handle, _LAYOUT[out.datatype], shape)
+        return to_tensor(rows, out.datatype == "BF16")
 
     def close(self) -> None:
         """Unregister (retried while the server still holds the region for a request it is

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from hsserve.extract.records import Record
-from hsserve.extract.shared_memory import OutputRegion
+from hsserve.extract.shared_memory import OutputRegion, to_tensor
 from hsserve.request import GenerationRequest, RequestError, SamplingParams
 
 
@@ -61,13 +61,6 @@ class LocalSource:
         if res.error is not None:
             return res.error
         return list(res.token_ids), res.hidden.to(self.ask.dtype)
-
-
-def as_tensor(array: np.ndarray) -> torch.Tensor:
-    """A copy as a tensor; BF16 outputs come as ml_dtypes' bfloat16, which torch cannot read."""
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.array(array, copy=True))
 
 
 class ServerSource:
@@ -139,5 +132,6 @@ class ServerSource:
         if region is not None:
             rows = region.read(result)
         else:
-            rows = as_tensor(result.as_numpy("HIDDEN_STATES"))
+            rows = result.as_numpy("HIDDEN_STATES")  # NOTE: BF16 as ml_dtypes' bfloat16
+            rows = to_tensor(rows, rows.dtype.name == "bfloat16")
         return result.as_numpy("output_ids").tolist(), rows.to(self.ask.dtype)
