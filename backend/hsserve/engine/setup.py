@@ -12,9 +12,9 @@ import torch
 from hsserve.engine.block_pool import BlockPool
 from hsserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from hsserve.engine.cuda_graphs import DecodeGraphs
-from hsserve.kernels.topk import warm_topk
 from hsserve.engine.executor import Executor
 from hsserve.engine.hidden_rows import HiddenRows
+from hsserve.kernels.topk import warm_topk
 from hsserve.models.decoder import Decoder
 from hsserve.models.default_model import ensure_default_model
 from hsserve.models.loader import load_model

@@ -204,6 +204,9 @@ class Decoder(nn.Module):
         local = spec.rope_local
         self.register_buffer("inv_freq_local", inverse_frequencies(spec.head_dim, local)
                              if local is not None else None, persistent=False)
+        # NOTE: Gemma: in the weights' dtype, made once (not per forward)
+        self.register_buffer("embed_scale", torch.tensor(spec.embed_scale)
+                             if spec.embed_scale != 1.0 else None, persistent=False)
         self.folded = False
 
     @torch.no_grad()
@@ -269,8 +272,8 @@ class Decoder(nn.Module):
         local = None
         if self.inv_freq_local is not None:
             local = self._rotary(positions, self.inv_freq_local, x.dtype, fused)
-        if self.spec.embed_scale != 1.0:  # NOTE: Gemma: scaled in the weights' dtype
-            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         return x, rope, local
 
     @staticmethod

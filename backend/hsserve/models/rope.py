@@ -12,14 +12,14 @@ import torch
 def inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
     base = float(rope.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", "default")
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    powers = base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv = 1.0 / powers
     if kind == "default":
         return inv
     if kind == "linear":
         return inv / float(rope["factor"])
     if kind == "longrope":  # NOTE: within original_max_position_embeddings (ModelSpec caps it)
-        short = torch.tensor(rope["short_factor"], dtype=torch.float32)
-        return 1.0 / (short * base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32) * powers)
     if kind == "llama3":
         factor = float(rope["factor"])
         low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
