@@ -11,7 +11,7 @@ dl() { "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3
   --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux1_x86_64 -d "$1" "${@:2}"; }
 tmp=$(mktemp -d)
-dl "$tmp/w" nvidia-pytriton==0.7.0 tritonclient==2.73.0 python-rapidjson==1.25
+dl "$tmp/w" nvidia-pytriton==0.7.0 tritonclient==2.73.0 python-rapidjson==1.25 ml-dtypes==0.5.4
 dl "$tmp/np" numpy==1.26.4
 dl "$tmp/tools" py-spy==0.4.3
 mkdir -p "$tmp/b/site" "$tmp/b/np" "$tmp/b/tools/bin"
