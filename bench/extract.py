@@ -124,6 +124,18 @@ def setting(shape: str) -> dict:
                 engine=engine, params=params)
 
 
+def spy(folder: str, seconds: int = 10) -> None:
+    """py-spy, in the background, on this process and its children (tritonserver, its stubs and
+    their engine processes)."""
+    import subprocess
+
+    os.makedirs(folder, exist_ok=True)
+    subprocess.Popen(["py-spy", "record", "-p", str(os.getpid()), "-d", str(seconds), "-r", "100",
+                      "--subprocesses", "--idle", "--threads", "--nonblocking", "--format", "raw",
+                      "-o", os.path.join(folder, "all.txt")],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=16)
@@ -131,6 +143,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shape", default="", help="GPU: a bench/shapes.py shape, random weights")
     ap.add_argument("--out", default="")
+    ap.add_argument("--only", nargs="*", default=None, help="the server ways to run (default: all)")
+    ap.add_argument("--spy", default="", help="DIR: py-spy (on PATH) samples this process and the "
+                    "server's through the first timed run, into DIR")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     run = setting(args.shape)
@@ -153,10 +168,13 @@ def main() -> None:
         ways["server_bf16"] = ways["server"] + ["--triton-model", "llm_bf16", "--dtype", "bfloat16"]
         ways["server_bf16_shm"] = ways["server_shm"] + ["--triton-model", "llm_bf16",
                                                         "--dtype", "bfloat16"]
+        ways = {k: v for k, v in ways.items() if args.only is None or k in args.only}
         for name, way in ways.items():
             timed(common + way, os.path.join(root, "warm"))
         engine = Engine(run["engine"]).start()
         timed(common, os.path.join(root, "warm-local"), engine)
+        if args.spy:
+            spy(args.spy)
         for _ in range(args.repeats):  # NOTE: taking turns
             for name, way in ways.items():
                 runs[name].append(timed(common + way, os.path.join(root, "s")))
@@ -165,7 +183,7 @@ def main() -> None:
     finally:
         server.stop()
     rows = {}
-    for name, rs in runs.items():
+    for name, rs in ((k, v) for k, v in runs.items() if v):
         rows[name] = {"tokens_s": round(statistics.median(t / d for d, t, _ in rs), 1),
                       "mb_s": round(statistics.median(b / d / 1e6 for d, _, b in rs), 1)}
     for name in ways:

@@ -4,7 +4,7 @@
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
 # PART: tests triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
-# profile1 host logprobs extract8b none. The one-off A/B scripts' parts went with them to bench/archive/.
+# profile1 host logprobs extract8b extract_spy none. The one-off A/B scripts' parts went with them to bench/archive/.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -49,6 +49,9 @@ for part in $parts; do
               done ;;
     extract8b) timeout 500 python3 bench/extract.py --shape llama-8b --records 256 \
                  --out "$OUT/h200_extract_8b.json" 2>&1 | grep -v "^\[W\|WARNING" | tail -30 ;;
+    extract_spy) timeout 400 python3 bench/extract.py --shape llama-8b --records 512 --repeats 1 \
+                 --only server_bf16_shm --spy "$OUT/spy" --out "$OUT/h200_extract_spy.json" 2>&1 \
+                 | grep -v "^\[W\|WARNING" | tail -12 ;;
     profile1) timeout 100 python3 bench/gpu_profile.py --batches 1 --top 24 2>&1 | grep -v "^\[W" ;;
     none) ;;  # NOTE: the set-up only
     *) echo "gpu_session.sh: unknown part $part" >&2 ;;

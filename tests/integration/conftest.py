@@ -54,19 +54,26 @@ def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | No
         set_parameter(cfg, "model", smollm_dir)
         add_parameter(cfg, "kv_cache_max_bytes", str(512 << 20))  # several servers share 24 GiB
     for family, folder in (family_dirs or {}).items():
-        name = f"llm_{family}"
-        shutil.copytree(os.path.join(REPO, "llm"), os.path.join(repo, name),
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        cfg = os.path.join(repo, name, "config.pbtxt")
-        with open(cfg) as f:
-            text = f.read().replace('name: "llm"', f'name: "{name}"')
-        with open(cfg, "w") as f:
-            f.write(text)
-        set_parameter(cfg, "model", folder)
-        set_parameter(cfg, "max_num_seqs", "4")
+        cfg = copy_model(repo, f"llm_{family}", folder)
         set_parameter(cfg, "engine_process", "false")  # NOTE: one process fewer each
-        add_parameter(cfg, "kv_cache_max_bytes", str(32 << 20))
+    # NOTE: the default model over two ranks (SmolLM2's 3 K/V heads: 2 + 1), in an engine process
+    set_parameter(copy_model(repo, "llm_tp2", smollm_dir), "tensor_parallel_size", "2")
     return repo
+
+
+def copy_model(repo: str, name: str, folder: str) -> str:
+    """llm's config as `name` serving `folder`, small: returns its config.pbtxt."""
+    shutil.copytree(os.path.join(REPO, "llm"), os.path.join(repo, name),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = os.path.join(repo, name, "config.pbtxt")
+    with open(cfg) as f:
+        text = f.read().replace('name: "llm"', f'name: "{name}"')
+    with open(cfg, "w") as f:
+        f.write(text)
+    set_parameter(cfg, "model", folder)
+    set_parameter(cfg, "max_num_seqs", "4")
+    add_parameter(cfg, "kv_cache_max_bytes", str(32 << 20))
+    return cfg
 
 
 def add_parameter(config_path: str, key: str, value: str) -> None:
@@ -85,7 +92,7 @@ def triton_server(tmp_path_factory, smollm_dir, tiny_model_dir):
     server = start_server(repo, log_path=os.path.join(root, "server.log"))
     try:
         server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped", "llm_sync_last", "hidden_classifier",
-                                                   "llm_classifier", *(f"llm_{f}" for f in FAMILIES)))
+                                                   "llm_classifier", "llm_tp2", *(f"llm_{f}" for f in FAMILIES)))
         yield server
     finally:
         server.stop()

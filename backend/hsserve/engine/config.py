@@ -50,6 +50,8 @@ class EngineConfig:
     hidden_dtype: str = "float32"  # rows handed out in this dtype (Triton: HIDDEN_STATES's)
     cache_dir: str = ""  # where the default model is converted; "" = ~/.cache/hsserve
     num_threads: int = 0  # CPU torch threads; 0 = torch's default
+    # NOTE: ranks the model is split over (processes of the engine's own; GPUs from the engine's)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -62,7 +64,8 @@ class EngineConfig:
             raise ConfigError(f"async_scheduling: {self.async_scheduling!r}; allowed: auto, on, off")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ConfigError(f"device: {self.device!r}; allowed: auto, cpu, cuda[:N]")
-        for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_tokens_limit"):
+        for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_tokens_limit",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "max_prompt_tokens", "num_kv_blocks", "num_threads",

@@ -15,6 +15,7 @@ import torch
 from hsserve.engine.cuda_graphs import DecodeGraphs
 from hsserve.engine.hidden_rows import RowPlan, StepRows
 from hsserve.engine.logprobs import step_logprobs
+from hsserve.engine.ranks import Ranks
 from hsserve.engine.sampler import banned_tokens, sample
 from hsserve.engine.transfer import download, upload
 from hsserve.engine.types import Chunk, Launched
@@ -38,6 +39,7 @@ class Executor:
     def __init__(self, model: Decoder, kv_cache: torch.Tensor, block_size: int, max_num_seqs: int):
         self.model = model
         self.graphs: DecodeGraphs | None = None  # set by engine setup on CUDA
+        self.peers: Ranks | None = None  # NOTE: tensor parallel: the other ranks, told each step
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.device = kv_cache.device
@@ -138,8 +140,9 @@ class Executor:
         device on the graph path."""
         sources = sources_of(chunks, prev)
         sampled = [c.samples for c in chunks]
-        g = self.graphs
-        graph = g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks)
+        if self.peers is not None:
+            self.peers.send(chunks, sources, sampled, plan is not None and bool(plan.with_rows))
+        graph = self._takes_graph(chunks)
         forward = self._forward_graph if graph else self._forward_eager
         logits, block, layers, greedy = forward(chunks, sources, sampled, plan)
         tokens = logprobs = None
@@ -160,6 +163,30 @@ class Executor:
             done = torch.cuda.Event()
             done.record()
         return Launched(chunks, sampled, tokens, rows, plan, done, logprobs)
+
+    def _takes_graph(self, chunks: list[Chunk]) -> bool:
+        g = self.graphs
+        return g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks)
+
+    @torch.inference_mode()
+    def follow(self, chunks: list[Chunk], sources: list[int], sampled: list[bool],
+               with_rows: bool) -> None:
+        """A tensor parallel rank's part of a step rank 0 launched (engine/ranks.py): the same
+        forward and collectives; rank 0 samples and takes the rows."""
+        if self._takes_graph(chunks):
+            self._forward_graph(chunks, sources, sampled, None, with_rows)
+        else:
+            self._forward_eager(chunks, sources, sampled, None)
+
+    def check_ranks(self, wait_s: float = 0.0) -> None:
+        """RankLost when a tensor parallel rank has exited."""
+        if self.peers is not None:
+            self.peers.check(wait_s)
+
+    def close(self) -> None:
+        """Stop the other ranks (tensor parallel)."""
+        if self.peers is not None:
+            self.peers.close()
 
     def _tokens(self, logits: torch.Tensor, sampling: list[Chunk], greedy: torch.Tensor | None,
                 every_row: bool):
@@ -235,7 +262,7 @@ class Executor:
         return logits, block, plan.layers if plan is not None else [], None
 
     def _forward_graph(self, chunks: list[Chunk], sources: list[int], sampled: list[bool],
-                       plan: RowPlan | None):
+                       plan: RowPlan | None, with_rows: bool | None = None):
         """A decode-only step through the captured graphs (every chunk one row)."""
         g, dev = self.graphs, self.device
         sampling = [i for i, f in enumerate(sampled) if f]
@@ -253,7 +280,7 @@ class Executor:
             [self._slot(c.seq.block_table, c.start) for c in chunks],
             [c.seq.block_table for c in chunks],
             [c.end for c in chunks],
-            with_rows=bool(keep),
+            with_rows=bool(keep) if with_rows is None else with_rows,
         )
         if not sampling:
             logits = None

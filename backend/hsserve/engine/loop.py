@@ -188,6 +188,7 @@ class Engine:
         clean = False
         try:
             while self._drain(block=not self._has_work()):
+                self.executor.check_ranks()  # NOTE: a lost rank ends the loop, as a crash
                 if self._has_work():
                     self._timed_step()
                 else:
@@ -213,6 +214,7 @@ class Engine:
         try:
             self._step()
         except Exception as e:  # NOTE: fail what is in flight, keep serving
+            self.executor.check_ranks(wait_s=1.0)  # NOTE: unless a rank is gone: then the loop dies
             log.exception("engine step failed")
             self.error = e
             self._abandon_inflight("after a failed step")
@@ -222,10 +224,9 @@ class Engine:
             self._on_step(self.num_steps)
 
     def _round_done(self) -> None:
-        if self._after_round is None:
-            return
         try:
-            self._after_round()
+            if self._after_round is not None:
+                self._after_round()
         except Exception:  # NOTE: as a broken sink, it must not stop the loop
             log.exception("after_round failed")
 
@@ -254,6 +255,7 @@ class Engine:
     def _release(self) -> None:
         """Drop the weights and the KV cache so their memory returns (the pool's ids stay)."""
         self._abandon_inflight("while stopping")
+        self.executor.close()  # NOTE: tensor parallel ranks stop with the engine
         self.model = self.executor = None
         if self.device.type == "cuda":
             gc.collect()  # NOTE: CUDA graphs and their memory pool go only when collected

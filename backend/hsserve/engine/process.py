@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _SNAPSHOT_TIMEOUT_S = 5.0
 
 
-def _python_executable() -> str:
+def python_executable() -> str:
     """The interpreter for the child: the stub's sys.executable may be the stub binary itself."""
     exe = sys.executable
     if exe and os.path.basename(exe).startswith("python"):
@@ -75,7 +75,7 @@ class EngineProcess:
             return self
         self._started = True
         ctx = multiprocessing.get_context("spawn")
-        ctx.set_executable(_python_executable())
+        ctx.set_executable(python_executable())
         cmd_recv, self._cmd = ctx.Pipe(duplex=False)
         self._evt, evt_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=child_main,

@@ -14,11 +14,13 @@ from hsserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from hsserve.engine.cuda_graphs import DecodeGraphs
 from hsserve.engine.executor import Executor
 from hsserve.engine.hidden_rows import HiddenRows
+from hsserve.engine.ranks import Ranks
 from hsserve.kernels.topk import warm_topk
 from hsserve.models.decoder import Decoder
 from hsserve.models.default_model import ensure_default_model
 from hsserve.models.loader import load_model
 from hsserve.models.spec import ModelSpec
+from hsserve.models.tensor_parallel import TensorParallel, local_spec
 from hsserve.request import HiddenStatesMode
 from hsserve.engine.scheduler import Scheduler
 
@@ -96,17 +98,31 @@ def captured_layers(config: EngineConfig, spec: ModelSpec) -> tuple[int, ...]:
         raise ConfigError(f"hidden_layers_captured: {e}") from None
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
-    device = resolve_device(config.device)
-    if device.type == "cpu" and config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    folder = model_folder(config)
-    model = load_model(folder, config.dtype, device, config.load_format)
+@dataclass
+class Shard:
+    """What every rank builds: the model (a rank's shard under tensor parallelism), its KV cache
+    and the executor that runs steps on them."""
+
+    model: Decoder
+    executor: Executor
+    max_model_len: int
+    captured_layers: tuple[int, ...]  # normalized 0..L
+
+
+def build_shard(config: EngineConfig, device: torch.device, folder: str,
+                parallel: TensorParallel | None = None) -> Shard:
+    tp = config.tensor_parallel_size
+    if device.type == "cpu" and (config.num_threads or tp > 1):
+        # NOTE: the ranks share the cores
+        torch.set_num_threads(max(1, (config.num_threads or torch.get_num_threads()) // tp))
+    model = load_model(folder, config.dtype, device, config.load_format, parallel)
     spec = model.spec
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     bs = config.block_size
     need = config.max_num_seqs * (-(-max_model_len // bs))
     blocks = num_kv_blocks(config, spec, model.embed.dtype, device, need)
+    if parallel is not None:  # NOTE: what fits on every rank
+        blocks = parallel.agree_min(blocks)
     if blocks * bs < max_model_len:
         log.warning("KV pool holds %d tokens: max_model_len lowered from %d", blocks * bs, max_model_len)
         max_model_len = blocks * bs
@@ -118,10 +134,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         spec.num_layers, 2, blocks, bs, spec.num_kv_heads, spec.head_dim,
         dtype=model.embed.dtype, device=device,
     ).zero_()
-    pool = BlockPool(blocks, bs, enable_caching=config.enable_prefix_caching)
     log.info("model %s on %s (%s): %d KV blocks of %d tokens", folder, device, model.embed.dtype, blocks, bs)
     layers = captured_layers(config, spec)
-    rows = HiddenRows(getattr(torch, config.hidden_dtype))
     executor = Executor(model, kv_cache, bs, config.max_num_seqs)
     if config.enable_cuda_graph and executor.kernels and spec.num_experts:
         # NOTE: the experts' torch path picks experts on the host: not capturable
@@ -134,16 +148,41 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         executor.graphs.capture()
     if device.type == "cuda" and config.max_logprobs:
         warm_topk(device, spec.vocab_size, config.max_logprobs)
+    return Shard(model, executor, max_model_len, layers)
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    device = resolve_device(config.device)
+    folder = model_folder(config)
+    ranks = None
+    if config.tensor_parallel_size > 1:
+        try:  # NOTE: refused before any rank starts
+            local_spec(ModelSpec.from_folder(folder), config.tensor_parallel_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        ranks = Ranks(config, device, folder)
+    try:
+        shard = build_shard(config, ranks.devices[0] if ranks else device, folder,
+                            ranks.parallel if ranks else None)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+    shard.executor.peers = ranks
+    spec, max_model_len = shard.model.spec, shard.max_model_len
+    blocks = shard.executor.kv_cache.shape[2]
+    pool = BlockPool(blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+    rows = HiddenRows(getattr(torch, config.hidden_dtype))
     return EngineParts(
         spec=spec,
-        model=model,
+        model=shard.model,
         tokenizer=load_tokenizer(folder),
         pool=pool,
         scheduler=Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_wait_ms, on_preempt=rows.preempted),
-        executor=executor,
+        executor=shard.executor,
         max_model_len=max_model_len,
         max_prompt_tokens=min(config.max_prompt_tokens or max_model_len, max_model_len),
-        captured_layers=layers,
+        captured_layers=shard.captured_layers,
         rows=rows,
     )

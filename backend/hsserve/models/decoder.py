@@ -29,6 +29,7 @@ from hsserve.models.linear import Linear
 from hsserve.models.moe import MoE
 from hsserve.models.rope import apply_rotary, attention_factor, inverse_frequencies
 from hsserve.models.spec import ModelSpec
+from hsserve.models.tensor_parallel import TensorParallel
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -188,16 +189,22 @@ class GemmaLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, parallel: TensorParallel | None = None):
+        """parallel: this rank's shard (spec: its shape, models/tensor_parallel.py)."""
         super().__init__()
-        self.spec = spec
+        self.spec, self.parallel = spec, parallel
         self.embed = _param(spec.vocab_size, spec.hidden_size)
         layer = GemmaLayer if spec.gemma_norms else DecoderLayer
         self.layers = nn.ModuleList(layer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
-        if spec.tie_word_embeddings:
+        vocab = parallel.vocab_rows(spec.vocab_size) if parallel else spec.vocab_size
+        self.lm_head = Linear(spec.hidden_size, vocab)
+        if spec.tie_word_embeddings and parallel is None:
             self.lm_head.weight = self.embed  # NOTE: one tensor, loaded once
+        for lay in self.layers if parallel else ():  # NOTE: the row-parallel products
+            lay.attn.o_proj.reduce = parallel.all_reduce
+            mlp = lay.mlp
+            (mlp if isinstance(mlp, MoE) else mlp.down).reduce = parallel.all_reduce
         self.register_buffer(
             "inv_freq", inverse_frequencies(spec.head_dim, spec.rope), persistent=False
         )
@@ -248,7 +255,7 @@ class Decoder(nn.Module):
         x, residual = self._layers(input_ids, positions, batch, kv_cache, capture)
         w = self.lm_head.weight
         if (residual is None and (capture is None or not capture.wants(len(self.layers)))
-                and gemv_fits(x, w)):
+                and gemv_fits(x, w) and self.parallel is None):
             gemv(x, w, out=out, norm=(self.norm.weight, self.norm.eps))
         else:
             self.logits(self._final(x, residual, capture), out=out)
@@ -262,6 +269,8 @@ class Decoder(nn.Module):
 
     def _rotaries(self, input_ids, positions):
         """(embedded rows, rope, the sliding layers' own rope or None)."""
+        if self.parallel is not None:  # NOTE: rank 0 samples: its tokens are the inputs
+            self.parallel.broadcast(input_ids)
         fused = input_ids.is_cuda
         if fused:  # NOTE: one kernel
             x, cos, sin = embed_rotary(input_ids, positions, self.embed, self.inv_freq)
@@ -310,6 +319,10 @@ class Decoder(nn.Module):
         """float32 logits [rows, vocab] (into `out` when given). On CUDA the GEMM writes float32
         itself: no half-precision logits to convert (at batch 64 that copy moved 49 MB a step)."""
         w = self.lm_head.weight
+        if self.parallel is not None:  # NOTE: each rank's vocabulary shard, gathered
+            local = self.logits_local(hidden)
+            full = self.parallel.gather_vocab(local, self.spec.vocab_size)
+            return self._softcap(full if out is None else out.copy_(full))
         if hidden.is_cuda and w is not None:
             if w.dtype == torch.float32:
                 return self._softcap(torch.mm(hidden, w.t(), out=out))
@@ -317,6 +330,13 @@ class Decoder(nn.Module):
         logits = self.lm_head(hidden)
         logits = logits.float() if out is None else out.copy_(logits)
         return self._softcap(logits)
+
+    def logits_local(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of this rank's lm_head rows."""
+        w = self.lm_head.weight
+        if hidden.is_cuda and w is not None and w.dtype != torch.float32:
+            return torch.mm(hidden, w.t(), out_dtype=torch.float32)
+        return self.lm_head(hidden).float()
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma's final soft-capping, in place: cap * tanh(logits / cap)."""

@@ -17,6 +17,8 @@ beats cuBLAS there; more rows through cuBLAS.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,10 +52,18 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
         self.mkl_packed: torch.Tensor | None = None  # NOTE: MKL's, for _MKL_ROWS rows
+        # NOTE: row-parallel (tensor parallelism): sums a rank's partial product over the ranks
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b); with `into`, added to it in place and returned (on CUDA by the GEMM
         itself: an out-of-place add would cost a copy kernel)."""
+        if self.reduce is not None:  # NOTE: the whole product first, then the add
+            y = self.reduce(self._product(x))
+            return y if into is None else into.add_(y)
+        return self._product(x, into)
+
+    def _product(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         if self.mkl_packed is not None and _MKL_MIN_ROWS <= x.numel() // x.shape[-1] <= _MKL_ROWS:
             y = self._mkl_rows(x)
             return y if into is None else into.add_(y)

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from hsserve.models.decoder import Decoder
 from hsserve.models.linear import pack_for_cpu
 from hsserve.models.spec import ModelSpec
+from hsserve.models.tensor_parallel import TensorParallel, local_spec, pieces
 
 log = logging.getLogger(__name__)
 
@@ -72,28 +73,38 @@ def _hf_names(spec: ModelSpec, i: int) -> dict[str, list[str]]:
     return names
 
 
-def weight_map(spec: ModelSpec) -> dict[str, list[str]]:
+def weight_map(spec: ModelSpec, split_vocab: bool = False) -> dict[str, list[str]]:
+    """split_vocab: the lm_head is a shard apart from the (whole) embedding, tied or not."""
     names = {"embed": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     if not spec.tie_word_embeddings:
         names["lm_head.weight"] = ["lm_head.weight"]
+    elif split_vocab:
+        names["lm_head.weight"] = ["model.embed_tokens.weight"]
     for i in range(spec.num_layers):
         names.update(_hf_names(spec, i))
     return names
 
 
-def build_decoder(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Decoder:
-    """An uninitialized decoder on `device` (weights are filled by load_weights or random_weights)."""
+def build_decoder(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                  parallel: TensorParallel | None = None) -> Decoder:
+    """An uninitialized decoder on `device` (weights are filled by load_weights or random_weights);
+    with `parallel`, the shard of that rank (spec: the whole model's)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # NOTE: restored below; inv_freq stays float32 explicitly
     try:
         with torch.device(device):
-            model = Decoder(spec)
+            model = Decoder(local_spec(spec, parallel.size, parallel.rank) if parallel else spec,
+                            parallel)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
 
 
-def load_weights(model: Decoder, folder: str) -> None:
+def load_weights(model: Decoder, folder: str, spec: ModelSpec | None = None) -> None:
+    """spec: the whole model's (model.spec is a rank's shard under tensor parallelism)."""
+    spec = spec or model.spec
+    tp = model.parallel
+    size, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
@@ -104,20 +115,35 @@ def load_weights(model: Decoder, folder: str) -> None:
     params = dict(model.named_parameters())
     handles: dict[str, object] = {}
     try:
-        for ours, theirs in weight_map(model.spec).items():
+        for ours, theirs in weight_map(spec, split_vocab=size > 1).items():
             missing = [t for t in theirs if t not in where]
             if missing:
                 raise KeyError(f"checkpoint {folder} lacks {missing}")
-            parts = []
             for t in theirs:
                 if where[t] not in handles:
                     handles[where[t]] = safe_open(where[t], framework="pt")
-                parts.append(handles[where[t]].get_tensor(t))
-            target = params[ours]
-            whole = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
-            target.data.copy_(whole.view(target.shape))
+            parts = [_read(handles[where[theirs[i]]], theirs[i], dim, s)
+                     for i, dim, s in pieces(spec, size, rank, ours, len(theirs))]
+            _fill(params[ours], torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
     finally:
         handles.clear()
+
+
+def _read(handle, name: str, dim: int, s: slice) -> torch.Tensor:
+    """Only the slice a rank holds is read from the file."""
+    if s == slice(None):
+        return handle.get_tensor(name)
+    part = handle.get_slice(name)
+    return part[s] if dim == 0 else part[:, s]
+
+
+def _fill(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy into the parameter; a last vocabulary shard's missing rows are zeros."""
+    if whole.numel() < target.numel():
+        target.data.zero_()
+        target.data.view(-1)[: whole.numel()].copy_(whole.reshape(-1))
+    else:
+        target.data.copy_(whole.view(target.shape))
 
 
 def random_weights(model: Decoder, seed: int = 0, std: float = 0.02) -> None:
@@ -130,14 +156,16 @@ def random_weights(model: Decoder, seed: int = 0, std: float = 0.02) -> None:
             p.data.normal_(0.0, std, generator=gen)
 
 
-def load_model(folder: str, dtype_name: str, device: torch.device, load_format: str = "auto") -> Decoder:
-    """load_format "dummy": random weights in the folder's shapes (only config.json is read)."""
+def load_model(folder: str, dtype_name: str, device: torch.device, load_format: str = "auto",
+               parallel: TensorParallel | None = None) -> Decoder:
+    """load_format "dummy": random weights in the folder's shapes (only config.json is read);
+    with `parallel`, this rank's shard."""
     spec = ModelSpec.from_folder(folder)
-    model = build_decoder(spec, resolve_dtype(dtype_name, spec, device), device)
+    model = build_decoder(spec, resolve_dtype(dtype_name, spec, device), device, parallel)
     if load_format == "dummy":
         random_weights(model)
     else:
-        load_weights(model, folder)
+        load_weights(model, folder, spec)
         if spec.gemma_norms:
             plus_one_norms(model)
     if fold_norms_on(device) and model.fold_norms():

@@ -30,6 +30,7 @@ class MoE(nn.Module):
         self._router64: torch.Tensor | None = None  # NOTE: made on first use, after loading
         # NOTE: Mixtral weighs an expert's output in float32, Qwen3-MoE in the model's dtype
         self.weigh_in_float = spec.family == "mixtral"
+        self.reduce = None  # NOTE: tensor parallelism: each expert's rank share summed (Linear's)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])."""
@@ -52,4 +53,4 @@ class MoE(nn.Module):
             gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(x.dtype))
-        return out
+        return out if self.reduce is None else self.reduce(out)
