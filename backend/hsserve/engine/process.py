@@ -4,8 +4,8 @@ with the response sender (bench/README.md#engine-process).
 
 Parent (here): admission (errors raised at submit, no round trip), the request ids in flight, and
 a receiver thread that hands each request's deltas to its sink. Child (process_child.py): the
-Engine. Two pipes carry the typed messages of messages.py, pickled (hidden rows as raw bytes in
-their output dtype). If the child exits unannounced, every request in flight ends with an error
+Engine. Two pipes carry the typed messages of messages.py (engine/wire.py; hidden rows as raw
+bytes in their output dtype, out of the pickle). If the child exits unannounced, every request in flight ends with an error
 and `died` turns true, as when an in-process engine's loop dies.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
 import queue
 import sys
 import threading
@@ -26,8 +25,9 @@ from hsserve.engine.config import EngineConfig
 from hsserve.engine.messages import (Abort, Add, ClearCache, Deltas, Died, EngineInfo, FailAll,
                                      Failed, SnapshotTaken, Stop, Stopped, TakeSnapshot,
                                      delta_from_wire, error_delta)
-from hsserve.engine.process_child import child_main, post
+from hsserve.engine.process_child import child_main
 from hsserve.engine.request_stream import RequestStream
+from hsserve.engine.wire import post, receive
 from hsserve.engine.stats import EngineSnapshot
 from hsserve.request import Delta, EngineUnavailable, GenerationRequest
 
@@ -88,7 +88,7 @@ class EngineProcess:
             while not self._evt.poll(1.0):  # NOTE: loading
                 if not self._proc.is_alive():
                     raise EOFError  # NOTE: as when its end of the pipe closes
-            msg = pickle.loads(self._evt.recv_bytes())
+            msg = receive(self._evt)
         except (EOFError, OSError):
             self._proc.join(5)
             msg = Failed(RuntimeError(
@@ -212,7 +212,7 @@ class EngineProcess:
     def _receive(self) -> None:
         try:
             while True:
-                msg = pickle.loads(self._evt.recv_bytes())
+                msg = receive(self._evt)
                 if isinstance(msg, Deltas):
                     self._deliver([delta_from_wire(wire) for wire in msg.wire])
                 elif isinstance(msg, SnapshotTaken):

@@ -18,25 +18,12 @@ from hsserve.engine.setup import freeze_heap
 from hsserve.engine.messages import (Abort, Add, ClearCache, Deltas, Died, Failed, FailAll, Ready,
                                      SnapshotTaken, Stop, Stopped, TakeSnapshot, delta_to_wire,
                                      error_delta)
+from hsserve.engine.wire import frames, post, receive, send, widen
 from hsserve.request import Delta
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-def post(conn, lock: threading.Lock, msg) -> None:
-    """One message on a pipe, whole (several threads send on each end)."""
-    _send_bytes(conn, lock, _pickled(msg))
-
-
-def _pickled(msg) -> bytes:
-    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _send_bytes(conn, lock: threading.Lock, data: bytes) -> None:
-    with lock:
-        conn.send_bytes(data)
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -60,6 +47,7 @@ def child_main(config: EngineConfig, cmd, evt, on_step: Callable[[int], None] | 
 class _Child:
     def __init__(self, config: EngineConfig, cmd, evt, on_step):
         self.cmd, self.evt = cmd, evt
+        widen(evt)  # NOTE: the rows' direction
         self.lock = threading.Lock()
         self.deltas: list[Delta] = []  # NOTE: the loop thread's, between two rounds
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: for the shipper
@@ -106,10 +94,10 @@ class _Child:
         while True:
             if self.engine.died and not told_died:
                 told_died = True
-                self.outbox.put(_pickled(Died(f"the engine stopped: {self.engine.error!r}")))
+                self.outbox.put(frames(Died(f"the engine stopped: {self.engine.error!r}")))
             if not self.cmd.poll(0.5):
                 continue
-            msg = pickle.loads(self.cmd.recv_bytes())
+            msg = receive(self.cmd)
             if isinstance(msg, Stop):
                 return
             try:
@@ -126,7 +114,7 @@ class _Child:
                 engine.enqueue(msg.request, sink=self.deltas.append)
             except Exception as e:  # noqa: BLE001 - the engine may have died meanwhile
                 wire = [delta_to_wire(error_delta(msg.request.request_id, str(e)))]
-                self.outbox.put(_pickled(Deltas(wire)))
+                self.outbox.put(frames(Deltas(wire)))
         elif isinstance(msg, Abort):
             engine.abort(msg.request_id)
         elif isinstance(msg, FailAll):
@@ -144,10 +132,8 @@ class _Child:
         if not deltas:
             return
         try:
-            msg = Deltas([delta_to_wire(d) for d in deltas])
-            # NOTE: a round with hidden rows (a copy of every row's bytes) is pickled by the
-            # shipper, as the loop may meanwhile wait on the device
-            self.outbox.put(msg if any(d.hidden is not None for d in deltas) else _pickled(msg))
+            # NOTE: rows stay out of the pickle (engine/wire.py): cheap on the loop thread
+            self.outbox.put(frames(Deltas([delta_to_wire(d) for d in deltas])))
         except BaseException:  # noqa: BLE001 - deltas lost would leave requests hanging
             log.exception("shipping the engine's deltas failed; ending the engine process")
             os._exit(1)  # NOTE: the parent reads EOF and ends every request in flight
@@ -157,7 +143,7 @@ class _Child:
         """The engine's messages to the parent, in order, until _STOP."""
         try:
             while (item := self.outbox.get()) is not _STOP:
-                _send_bytes(self.evt, self.lock, item if isinstance(item, bytes) else _pickled(item))
+                send(self.evt, self.lock, item)
         except OSError:
             log.warning("the parent process is gone; deltas dropped")
         except BaseException:  # noqa: BLE001 - without the shipper no request would ever end
