@@ -130,11 +130,17 @@ def logprobs_ab(engine: Engine, batch: int, repeats: int, k: int) -> dict:
             "logprobs_overhead": round(min(asked) / min(plain) - 1, 4)}
 
 
-def weight_bytes(spec) -> int:
+def weight_bytes(spec, batch: int = 1) -> int:
+    """Bytes of weights a decode step reads: a mixture-of-experts layer's router and the experts
+    its `batch` tokens are expected to pick (uniform routing: random weights)."""
     h, i, L, v = spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.vocab_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 2 * h * i + i * h + 2 * h
-    return 2 * (L * per_layer + v * h + h)  # NOTE: the lm_head (tied or not) is read in full
+    mlp = 3 * h * i
+    if spec.num_experts:
+        e, k, mi = spec.num_experts, spec.experts_per_token, spec.moe_intermediate_size
+        mlp = e * h + e * (1 - (1 - k / e) ** batch) * 3 * h * mi
+    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
+    return int(2 * (L * per_layer + v * h + h))  # NOTE: the lm_head (tied or not) is read in full
 
 
 def kv_bytes(spec, batch: int, ctx: int) -> int:
@@ -210,7 +216,7 @@ def main() -> None:
                 r = best[HiddenStatesMode.NONE]
                 graph_ms = graph_replay_ms(engine, batch)
                 spec = engine.spec
-                roof = 1000 * (weight_bytes(spec) + kv_bytes(spec, batch, PROMPT + NEW // 2)) / bw
+                roof = 1000 * (weight_bytes(spec, batch) + kv_bytes(spec, batch, PROMPT + NEW // 2)) / bw
                 row = {"shape": shape, "batch": batch, "step_ms": round(r["step_ms"], 3),
                        "tok_s": round(r["tok_s"], 1), "graph_replay_ms": round(graph_ms, 3),
                        "roofline_ms": round(roof, 3),
@@ -245,6 +251,9 @@ def main() -> None:
                 keys["decode_step_ms_bs1_1b"] = row["step_ms"]
             if short == "1b" and batch == 64:
                 keys["decode_tok_s_bs64_1b"] = round(64 * 1000 / row["step_ms"], 1)
+            if short not in ("1b", "8b"):
+                keys[f"decode_step_ms_bs{batch}_{short}"] = row["step_ms"]
+                keys[f"step_over_roofline_bs{batch}_{short}"] = row["step_over_roofline"]
             if short == "8b" and batch == 1:
                 keys["decode_step_ms_bs1_8b"] = row["step_ms"]
                 keys["step_over_roofline_bs1_8b"] = row["step_over_roofline"]

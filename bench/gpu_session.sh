@@ -4,7 +4,7 @@
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
 # PART: tests triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
-# profile1 host logprobs extract8b extract_spy none. The one-off A/B scripts' parts went with them to bench/archive/.
+# profile1 host logprobs extract8b extract_spy moe none. The one-off A/B scripts' parts went with them to bench/archive/.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -52,6 +52,10 @@ for part in $parts; do
     extract_spy) timeout 400 python3 bench/extract.py --shape llama-8b --records 512 --repeats 1 \
                  --only server_bf16_shm --spy "$OUT/spy" --out "$OUT/h200_extract_spy.json" 2>&1 \
                  | grep -v "^\[W\|WARNING" | tail -12 ;;
+    moe) timeout 220 python3 -m pytest -m gpu tests/gpu/test_gpu_families.py tests/gpu/test_gpu_kernels.py \
+           -k "moe or family" -q -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -15
+         timeout 240 python3 bench/gpu_decode.py --shapes qwen3-30b-a3b --batches-8b 1 64 --repeats 1 \
+           --no-hf --out "$OUT/h200_decode_moe.json" 2>&1 | grep "^{\|Error\|error" ;;
     profile1) timeout 100 python3 bench/gpu_profile.py --batches 1 --top 24 2>&1 | grep -v "^\[W" ;;
     none) ;;  # NOTE: the set-up only
     *) echo "gpu_session.sh: unknown part $part" >&2 ;;

@@ -26,6 +26,14 @@ SHAPES = {
         rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
         tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=128001,
     ),
+    "qwen3-30b-a3b": dict(  # Qwen3-30B-A3B: 128 experts, 8 a token
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=151645,
+    ),
 }
 
 

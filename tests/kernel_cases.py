@@ -367,3 +367,21 @@ def check_token_logprob(device, rows, vocab, seed=0):
     assert torch.equal(got[:, 1], want[:, 1])
     if rows > 1:
         assert got[1, 1] == 1
+
+
+def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0):
+    """The grouped expert GEMM equals the reference's float64 result (float32 weights either way:
+    Mixtral's), every token routed to k distinct experts, some experts unused."""
+    from hsserve.kernels.moe import experts_ref, fused_experts
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, -1] = -1e9  # NOTE: the last expert is never chosen
+    weights, chosen = torch.topk(logits.softmax(-1), k)
+    ref = experts_ref(x.double(), gate_up.double(), down.double(), weights.double(), chosen, True)
+    got = fused_experts(*(t.to(device, dtype) for t in (x, gate_up, down)), weights.to(device),
+                        chosen.to(device), True)
+    _close(got.cpu(), ref, dtype, fp32_tol=1e-5)

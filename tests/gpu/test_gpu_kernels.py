@@ -133,3 +133,13 @@ def test_gemv_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim, k
     from kernel_cases import check_gemv_rotary_store
 
     check_gemv_rotary_store("cuda", dtype, heads, kv_heads, head_dim, k, rms)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, k, hidden, inter", [
+    (1, 128, 8, 2048, 768), (5, 8, 2, 256, 200), (64, 128, 8, 512, 768), (600, 8, 2, 256, 96)])
+def test_moe_grouped_gemm_matches_reference(dtype, tokens, experts, k, hidden, inter):
+    # batch 1 of the Qwen3-30B-A3B shape, odd sizes, a decode batch, prefill (64-row blocks)
+    from kernel_cases import check_moe
+
+    check_moe("cuda", dtype, tokens, experts, k, hidden, inter)

@@ -116,3 +116,11 @@ def test_topk_logprobs_matches_torch(rows, vocab, k):
     from kernel_cases import check_topk_logprobs
 
     check_topk_logprobs("cpu", rows, vocab, k)
+
+
+@pytest.mark.parametrize("tokens, experts, k, hidden, inter", [(1, 8, 2, 64, 48), (3, 8, 3, 40, 70),
+                                                               (40, 4, 2, 96, 64)])
+def test_moe_grouped_gemm_matches_reference(tokens, experts, k, hidden, inter):
+    from kernel_cases import check_moe
+
+    check_moe("cpu", torch.float32, tokens, experts, k, hidden, inter)

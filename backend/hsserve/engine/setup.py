@@ -137,10 +137,7 @@ def build_shard(config: EngineConfig, device: torch.device, folder: str,
     log.info("model %s on %s (%s): %d KV blocks of %d tokens", folder, device, model.embed.dtype, blocks, bs)
     layers = captured_layers(config, spec)
     executor = Executor(model, kv_cache, bs, config.max_num_seqs)
-    if config.enable_cuda_graph and executor.kernels and spec.num_experts:
-        # NOTE: the experts' torch path picks experts on the host: not capturable
-        log.warning("CUDA graphs off: mixture-of-experts layers run eagerly on this version")
-    elif config.enable_cuda_graph and executor.kernels:
+    if config.enable_cuda_graph and executor.kernels:
         # NOTE: captured once for the ceiling and the captured layer set; never again
         graph_layers = list(layers) if config.hidden_states_ceiling != HiddenStatesMode.NONE else []
         executor.graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs,

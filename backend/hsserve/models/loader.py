@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from hsserve.models.decoder import Decoder
 from hsserve.models.linear import pack_for_cpu
+from hsserve.models.moe import MoE
 from hsserve.models.spec import ModelSpec
 from hsserve.models.tensor_parallel import TensorParallel, local_spec, pieces
 
@@ -168,6 +169,9 @@ def load_model(folder: str, dtype_name: str, device: torch.device, load_format: 
         load_weights(model, folder, spec)
         if spec.gemma_norms:
             plus_one_norms(model)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.prepare()
     if fold_norms_on(device) and model.fold_norms():
         log.info("norm weights folded into qkv / gate_up")
     if pack_for_cpu(model):

@@ -2,10 +2,9 @@
 experts by softmax probability (renormalized over the chosen when the model says so), and the
 token's output is the weighted sum of those experts' SwiGLU MLPs.
 
-This is the torch path (the CPU's, and the oracle of a fused GPU kernel): each expert that some
-token chose runs once over its tokens. The router's logits are computed in float64: a product's
-last bits may depend on how many rows it has (the BLAS picks its kernel by shape), and in float32
-that could flip a near-tie between two experts with the batch's composition; an exact tie
+The experts run in kernels/moe.py (a grouped GEMM on CUDA, its torch reference elsewhere). The
+router's logits are computed in float64: a product's last bits may depend on how many rows it has
+(the BLAS picks its kernel by shape), and in float32 that could flip a near-tie between two experts with the batch's composition; an exact tie
 (identical router rows) stays exact and goes the same way whatever the batch.
 """
 
@@ -15,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hsserve.kernels.moe import experts_ref, fused_experts
 from hsserve.models.spec import ModelSpec
 
 
@@ -32,10 +32,14 @@ class MoE(nn.Module):
         self.weigh_in_float = spec.family == "mixtral"
         self.reduce = None  # NOTE: tensor parallelism: each expert's rank share summed (Linear's)
 
+    def prepare(self) -> None:
+        """After loading: the router's float64 copy (made here, not inside a graph capture)."""
+        self._router64 = self.router.double()
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])."""
         if self._router64 is None:
-            self._router64 = self.router.double()
+            self.prepare()
         probs = torch.softmax(F.linear(x.double(), self._router64), dim=-1).float()
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -45,12 +49,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, folded_eps: float | None = None) -> torch.Tensor:
         assert folded_eps is None, "a MoE layer's norms are never folded"
         weights, experts = self.route(x)
-        if not self.weigh_in_float:
-            weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            token, slot = torch.where(experts == e)
-            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(x.dtype))
+        # NOTE: on CUDA the grouped GEMM (no host sync: capturable); elsewhere its reference
+        run = fused_experts if x.is_cuda else experts_ref
+        out = run(x, self.gate_up, self.down, weights, experts, self.weigh_in_float)
         return out if self.reduce is None else self.reduce(out)

@@ -1,0 +1,115 @@
+"""The experts of a mixture-of-experts layer: a grouped GEMM in Triton on CUDA, the torch
+reference elsewhere (and as the kernel's oracle).
+
+Each (token, chosen expert) pair is one row. On the device, the pairs are grouped by expert into
+blocks of BLOCK_M rows (align_pairs: sorted by expert, each expert's group padded to a block),
+all with torch ops of fixed shapes (no host sync: capturable in the decode graphs). Then two
+launches of one kernel: gate_up with SiLU-and-mul (h [pairs, I]), and down scaled by the pair's
+routing weight (y [pairs, H]); the k pairs of a token are summed. A block reads only its expert's
+weights, so a decode step reads each chosen expert once (at batch 1, only the chosen ones).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                weights: torch.Tensor, experts: torch.Tensor, weigh_in_float: bool) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H], down [E, H, I], weights / experts [T, k] -> [T, H]: each
+    expert some token chose runs once over its tokens (its host loop is why the CPU path is not
+    capturable)."""
+    if not weigh_in_float:
+        weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    for e in torch.unique(experts).tolist():
+        token, slot = torch.where(experts == e)
+        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(x.dtype))
+    return out
+
+
+def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int):
+    """-> (pair ids grouped by expert, each group padded to block_m with the id `pairs`; the
+    expert of each block, num_experts past the last used one). Sizes depend on the shapes only."""
+    flat = experts.reshape(-1)
+    pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.sort(flat, stable=True).indices
+    grouped = flat[order]
+    first = counts.cumsum(0) - counts  # NOTE: each expert's first index in `order`
+    dest = ends[grouped] - padded[grouped] + torch.arange(pairs, device=flat.device) - first[grouped]
+    rows = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+    ids = torch.full((rows,), pairs, dtype=torch.int64, device=flat.device)
+    ids[dest] = order
+    starts = torch.arange(0, rows, block_m, device=flat.device)
+    return ids, torch.searchsorted(ends, starts, right=True)
+
+
+@triton.jit
+def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, pairs, num_experts, N, K,
+                         stride_x, stride_we, stride_wn, stride_out, ROW_DIV: tl.constexpr,
+                         SILU_MUL: tl.constexpr, WEIGH: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OUT[pair] = f(X[pair // ROW_DIV] @ W[e]^T) over one block of pairs x BLOCK_N columns;
+    SILU_MUL: W holds gate rows then up rows (N each), f = silu(gate) * up; WEIGH: x the pair's
+    routing weight."""
+    e = tl.load(BLOCK_EXPERT + tl.program_id(0))
+    if e < num_experts:
+        ids = tl.load(IDS + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = ids < pairs
+        rows = tl.where(valid, ids, 0) // ROW_DIV
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = W + e.to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(X + rows[:, None] * stride_x + ks[None, :],
+                        mask=valid[:, None] & (ks[None, :] < K), other=0.0)
+            wmask = (ks[:, None] < K) & (cols[None, :] < N)
+            b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=wmask, other=0.0)
+            acc += tl.dot(a, b, input_precision="ieee")  # NOTE: no TF32 for float32 models
+            if SILU_MUL:
+                b2 = tl.load(w + (cols[None, :] + N) * stride_wn + ks[:, None], mask=wmask,
+                             other=0.0)
+                acc2 += tl.dot(a, b2, input_precision="ieee")
+        if SILU_MUL:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc2
+        if WEIGH:
+            acc = acc * tl.load(WEIGHTS + tl.where(valid, ids, 0), mask=valid, other=0.0)[:, None]
+        out = OUT + ids[:, None] * stride_out + cols[None, :]
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights, block_m):
+    out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+    grid = (len(block_expert), triton.cdiv(n, 64))
+    _grouped_gemm_kernel[grid](
+        x, w, out, ids, block_expert, weights if weights is not None else out, pairs, w.shape[0],
+        n, x.shape[1], x.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div,
+        SILU_MUL=silu_mul, WEIGH=weights is not None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+    return out
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  weights: torch.Tensor, experts: torch.Tensor, weigh_in_float: bool) -> torch.Tensor:
+    """experts_ref's result through the grouped GEMM (routing weights applied in float32 either
+    way: the kernel's accumulator is float32)."""
+    tokens, k = experts.shape
+    block_m = 16 if tokens * k <= 1024 else 64
+    ids, block_expert = align_pairs(experts, gate_up.shape[0], block_m)
+    inter = down.shape[2]
+    pairs = tokens * k
+    h = _grouped_gemm(x.contiguous(), gate_up, ids, block_expert, pairs, inter, k, True, None,
+                      block_m)
+    y = _grouped_gemm(h, down, ids, block_expert, pairs, down.shape[1], 1, False,
+                      weights.float().reshape(-1).contiguous(), block_m)
+    return y.view(tokens, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
