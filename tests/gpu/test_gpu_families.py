@@ -5,6 +5,8 @@ decode graphs; Gemma 2 through the torch attention)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -59,11 +61,44 @@ def run(folder, dtype, prompts):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=(
-        "82d444c, H200: float32 exact, but one bfloat16 row at cosine 0.9979 (< 0.999); "
-        "not yet explained (Qwen3-MoE, through the same kernel, passes)")))
-    if f == "mixtral" else f for f in FAMILIES])
+def _routes(model, seq: list[int], k: int) -> list[torch.Tensor]:
+    """Per MoE layer, each token's chosen experts (sorted) in a transformers forward."""
+    chosen = []
+
+    def hook(_module, _inp, out):
+        logits = (out[0] if isinstance(out, tuple) else out).float()
+        top = logits.reshape(-1, logits.shape[-1]).topk(k, dim=-1).indices
+        chosen.append(top.sort(dim=-1).values)
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith("mlp.gate")]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([seq]))
+    finally:
+        for h in handles:
+            h.remove()
+    return chosen
+
+
+def stable_prefix(hf, seq: list[int]) -> int:
+    """Tokens before the first one that transformers' own bfloat16 run routes to other experts
+    than its float32 run (len(seq) if none): after it, bfloat16 rows may differ for a real reason
+    (82d444c: Mixtral's 2nd / 3rd experts at 0.1928 / 0.1920 gave a row at cosine 0.998, the same
+    on CPU and GPU)."""
+    k = getattr(hf.config, "num_experts_per_tok", 0)
+    if not k:
+        return len(seq)
+    half = copy.deepcopy(hf).to(torch.bfloat16)
+    first = len(seq)
+    for a, b in zip(_routes(hf, seq, k), _routes(half, seq, k)):
+        differ = (a != b).any(dim=-1).nonzero()
+        if len(differ):
+            first = min(first, int(differ[0]))
+    return first
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_on_cuda(family, family_model):
     folder, hf = family_model(family)
     g = torch.Generator().manual_seed(5)
@@ -75,8 +110,12 @@ def test_family_on_cuda(family, family_model):
         ref = hf_hidden(hf, p + r.token_ids, LAYERS)
         assert max_rel_row_diff(r.hidden, ref, len(LAYERS)) <= 1e-3
     folder, hf = family_model(family, conditioned=True)
+    compared = 0
     for p, r in zip(prompts, run(folder, "bfloat16", prompts)[0]):
-        ref = hf_hidden(hf, p + r.token_ids, LAYERS)
-        for ours, theirs in zip(r.hidden.float().chunk(3, -1), ref.chunk(3, -1)):
+        rows = stable_prefix(hf, p + r.token_ids)
+        compared += rows
+        ref = hf_hidden(hf, p + r.token_ids, LAYERS)[:rows]
+        for ours, theirs in zip(r.hidden[:rows].float().chunk(3, -1), ref.chunk(3, -1)):
             cos = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
             assert float(cos.min()) >= 0.999, (family, float(cos.min()))
+    assert compared >= 60, compared  # NOTE: of 149 rows: most are compared
