@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from conftest import tiny_config
+from tiny_models import tiny_config
 from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams
 from oracle import hf_greedy, hf_hidden, max_rel_row_diff
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_config
+from tiny_models import tiny_config
 from hsserve import (Engine, EngineConfig, EngineUnavailable, FinishReason, GenerationRequest,
                      HiddenStatesMode, SamplingParams)
 from hsserve.engine.config import ConfigError
