@@ -34,6 +34,7 @@ from common import event_ms, write_result  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams  # noqa: E402
+from hsserve.models.spec import ModelSpec  # noqa: E402
 
 PROMPT, NEW = 128, 128
 
@@ -99,9 +100,9 @@ def graph_replay_ms(engine: Engine, batch: int, with_rows: bool = False) -> floa
 
 
 def make_engine(folder: str, batch: int, ceiling=HiddenStatesMode.FULL,
-                async_scheduling: str = "auto") -> Engine:
+                async_scheduling: str = "auto", tp: int = 1) -> Engine:
     return Engine(EngineConfig(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
-                               async_scheduling=async_scheduling,
+                               async_scheduling=async_scheduling, tensor_parallel_size=tp,
                                max_num_seqs=max(batch, 1), max_model_len=PROMPT + NEW + 16,
                                hidden_states_ceiling=ceiling,
                                hidden_layers_captured=(-1,) if ceiling else None,
@@ -186,6 +187,8 @@ def main() -> None:
     ap.add_argument("--splits", type=int, help="decode attention splits at most (A/B)")
     ap.add_argument("--logprobs", type=int, help="batch 64 (1B): also every request asking for "
                     "logprobs with this many alternatives, against none")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (GPUs) per engine; the "
+                    "roofline then reads the weights at that many times the copy bandwidth")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if not args.out:
@@ -207,7 +210,8 @@ def main() -> None:
         folder = random_model(shape)
         short = shape.split("-")[1]
         for batch in (args.batches_1b if short == "1b" else args.batches_8b):
-            engine = make_engine(folder, batch, async_scheduling=args.async_scheduling)
+            engine = make_engine(folder, batch, async_scheduling=args.async_scheduling,
+                                 tp=args.tensor_parallel)
             try:
                 modes = [HiddenStatesMode.NONE]
                 if batch == 64 and short == "1b":
@@ -217,7 +221,14 @@ def main() -> None:
                 graph_ms = graph_replay_ms(engine, batch)
                 spec = engine.spec
                 roof = 1000 * (weight_bytes(spec, batch) + kv_bytes(spec, batch, PROMPT + NEW // 2)) / bw
-                row = {"shape": shape, "batch": batch, "step_ms": round(r["step_ms"], 3),
+                # NOTE: spec is rank 0's shard under tensor parallelism: the whole model's bytes
+                # over N GPUs' bandwidth
+                if args.tensor_parallel > 1:
+                    whole = ModelSpec.from_folder(folder)
+                    roof = 1000 * (weight_bytes(whole, batch) + kv_bytes(whole, batch, PROMPT + NEW // 2)
+                                   ) / (bw * args.tensor_parallel)
+                row = {"shape": shape, "batch": batch, "tensor_parallel": args.tensor_parallel,
+                       "step_ms": round(r["step_ms"], 3),
                        "tok_s": round(r["tok_s"], 1), "graph_replay_ms": round(graph_ms, 3),
                        "roofline_ms": round(roof, 3),
                        "step_over_roofline": round(r["step_ms"] / roof, 2),

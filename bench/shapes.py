@@ -26,6 +26,13 @@ SHAPES = {
         rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
         tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=128001,
     ),
+    "llama-70b": dict(  # Llama-3.1-70B (tensor parallel: bench/gpu_session.sh tp)
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
+        tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=128001,
+    ),
     "qwen3-30b-a3b": dict(  # Qwen3-30B-A3B: 128 experts, 8 a token
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
         intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
