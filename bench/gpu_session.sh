@@ -4,7 +4,8 @@
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
 # PART: tests triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
-# profile1 host logprobs extract8b extract_spy moe tp_tests tp8b tp70b none. The one-off A/B scripts' parts went with them to bench/archive/.
+# profile1 host logprobs extract8b extract_spy moe tp_tests tp8b tp70b
+# two_instances none. The one-off A/B scripts' parts went with them to bench/archive/.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -62,6 +63,13 @@ for part in $parts; do
             --repeats 2 --no-hf --tensor-parallel $n --out "$OUT/h200x2_decode_8b_tp$n.json" 2>&1 \
             | grep "^{\|Error"
           done ;;
+    two_instances) for g in "0" "0 1"; do  # NOTE: one instance at 64 streams, then one per GPU at 128
+          c=$(( 64 * $(echo $g | wc -w) ))
+          timeout 280 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency $c \
+            --requests $(( 24 * c )) --new 256 --client-procs 8 --client-cpus 8 --gpus $g \
+            --out "$OUT/h200x2_triton_gpus_${g// /_}.json" 2>&1 | grep -v "^|" | tail -3
+          pkill -9 triton_python_b
+        done ;;
     tp70b) timeout 550 python3 bench/gpu_decode.py --shapes llama-70b --batches-8b 1 64 --repeats 1 \
              --no-hf --tensor-parallel 2 --out "$OUT/h200x2_decode_70b_tp2.json" 2>&1 | grep "^{\|Error" ;;
     profile1) timeout 100 python3 bench/gpu_profile.py --batches 1 --top 24 2>&1 | grep -v "^\[W" ;;

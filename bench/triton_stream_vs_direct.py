@@ -50,13 +50,20 @@ def prompt_ids(i: int) -> list[int]:
     return [(i * 7919 + j * 104729) % 120000 + 10 for j in range(32)]
 
 
-def gpu_repository(folder: str, root: str, params: dict[str, str]) -> str:
+def gpu_repository(folder: str, root: str, params: dict[str, str], gpus: list[int] = ()) -> str:
     """A repository holding only a copy of the llm model serving `folder` (random weights unless
-    it is "default"), with `params` set."""
+    it is "default"), with `params` set; with `gpus`, one instance (one engine) on each."""
     dst = os.path.join(root, "llm")
     shutil.copytree(os.path.join(REPO, "llm"), dst)
     random = {} if folder == "default" else {"load_format": "dummy", "dtype": "bfloat16"}
-    set_params(os.path.join(dst, "config.pbtxt"), {"model": folder} | random | params)
+    cfg = os.path.join(dst, "config.pbtxt")
+    set_params(cfg, {"model": folder} | random | params)
+    if gpus:
+        text = open(cfg).read()
+        group = "instance_group [{ count: 1, kind: KIND_MODEL }]"
+        assert group in text
+        open(cfg, "w").write(text.replace(group, "instance_group [{ count: 1, kind: KIND_GPU, "
+                                          f"gpus: [{', '.join(map(str, gpus))}] }}]"))
     return root
 
 
@@ -319,6 +326,8 @@ def main() -> None:
                     help="engine direct through sinks only (no thread-per-request row)")
     ap.add_argument("--outputs", nargs="*", default=[], metavar="NAME",
                     help="the outputs each gRPC request names (default none: all of them)")
+    ap.add_argument("--gpus", type=int, nargs="*", default=[], help="GPU: the server's llm as one "
+                    "instance (engine) on each of these GPUs; the direct engine stays one")
     ap.add_argument("--param", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine parameters (config.pbtxt keys) for the engine and the served model")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_triton.json"))
@@ -340,7 +349,7 @@ def main() -> None:
 
         folder = random_model(args.shape)
         base = dict(model=folder, device="cuda", load_format="dummy", dtype="bfloat16", max_num_seqs="64")
-        repo = gpu_repository(folder, tempfile.mkdtemp(), params)
+        repo = gpu_repository(folder, tempfile.mkdtemp(), params, args.gpus)
     else:
         base = dict(device="cpu", max_num_seqs="64")
         repo = REPO if not params else gpu_repository("default", tempfile.mkdtemp(), params)
