@@ -28,7 +28,8 @@ def set_parameter(config_path: str, key: str, value: str) -> None:
 FAMILIES = ("phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")  # NOTE: served as llm_<family>, tiny random models
 
 
-def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | None = None) -> str:
+def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | None = None,
+                    tp_dir: str | None = None) -> str:
     repo = os.path.join(root, "model_repository")
     shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
     capped = os.path.join(repo, "llm_capped")
@@ -56,8 +57,8 @@ def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | No
     for family, folder in (family_dirs or {}).items():
         cfg = copy_model(repo, f"llm_{family}", folder)
         set_parameter(cfg, "engine_process", "false")  # NOTE: one process fewer each
-    # NOTE: the default model over two ranks (SmolLM2's 3 K/V heads: 2 + 1), in an engine process
-    set_parameter(copy_model(repo, "llm_tp2", smollm_dir), "tensor_parallel_size", "2")
+    if tp_dir:  # NOTE: a tiny model over two ranks, in an engine process (small: CI's memory)
+        set_parameter(copy_model(repo, "llm_tp2", tp_dir), "tensor_parallel_size", "2")
     return repo
 
 
@@ -88,7 +89,8 @@ def add_parameter(config_path: str, key: str, value: str) -> None:
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory, smollm_dir, tiny_model_dir):
     root = str(tmp_path_factory.mktemp("triton"))
-    repo = make_repository(root, smollm_dir, {f: tiny_model_dir(f) for f in FAMILIES})
+    repo = make_repository(root, smollm_dir, {f: tiny_model_dir(f) for f in FAMILIES},
+                           tp_dir=tiny_model_dir("llama"))
     server = start_server(repo, log_path=os.path.join(root, "server.log"))
     try:
         server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped", "llm_sync_last", "hidden_classifier",
