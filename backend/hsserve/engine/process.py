@@ -5,8 +5,8 @@ with the response sender (bench/README.md#engine-process).
 Parent (here): admission (errors raised at submit, no round trip), the request ids in flight, and
 a receiver thread that hands each request's deltas to its sink. Child (process_child.py): the
 Engine. Two pipes carry the typed messages of messages.py (engine/wire.py; hidden rows as raw
-bytes in their output dtype, out of the pickle). If the child exits unannounced, every request in flight ends with an error
-and `died` turns true, as when an in-process engine's loop dies.
+bytes in their output dtype, out of the pickle). If the child exits unannounced, every request in
+flight ends with an error and `died` turns true, as when an in-process engine's loop dies.
 """
 
 from __future__ import annotations

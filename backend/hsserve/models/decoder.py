@@ -316,27 +316,23 @@ class Decoder(nn.Module):
         return x, residual
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [rows, vocab] (into `out` when given). On CUDA the GEMM writes float32
-        itself: no half-precision logits to convert (at batch 64 that copy moved 49 MB a step)."""
+        """float32 logits [rows, vocab] (into `out` when given); under tensor parallelism each
+        rank's vocabulary shard, gathered."""
+        if self.parallel is None:
+            return self._softcap(self._head(hidden, out))
+        full = self.parallel.gather_vocab(self._head(hidden), self.spec.vocab_size)
+        return self._softcap(full if out is None else out.copy_(full))
+
+    def _head(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 hidden @ lm_head^T (this rank's rows). On CUDA the GEMM writes float32 itself:
+        no half-precision logits to convert (at batch 64 that copy moved 49 MB a step)."""
         w = self.lm_head.weight
-        if self.parallel is not None:  # NOTE: each rank's vocabulary shard, gathered
-            local = self.logits_local(hidden)
-            full = self.parallel.gather_vocab(local, self.spec.vocab_size)
-            return self._softcap(full if out is None else out.copy_(full))
         if hidden.is_cuda and w is not None:
             if w.dtype == torch.float32:
-                return self._softcap(torch.mm(hidden, w.t(), out=out))
-            return self._softcap(torch.mm(hidden, w.t(), out_dtype=torch.float32, out=out))
+                return torch.mm(hidden, w.t(), out=out)
+            return torch.mm(hidden, w.t(), out_dtype=torch.float32, out=out)
         logits = self.lm_head(hidden)
-        logits = logits.float() if out is None else out.copy_(logits)
-        return self._softcap(logits)
-
-    def logits_local(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of this rank's lm_head rows."""
-        w = self.lm_head.weight
-        if hidden.is_cuda and w is not None and w.dtype != torch.float32:
-            return torch.mm(hidden, w.t(), out_dtype=torch.float32)
-        return self.lm_head(hidden).float()
+        return logits.float() if out is None else out.copy_(logits)
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma's final soft-capping, in place: cap * tanh(logits / cap)."""

@@ -4,8 +4,9 @@ token's output is the weighted sum of those experts' SwiGLU MLPs.
 
 The experts run in kernels/moe.py (a grouped GEMM on CUDA, its torch reference elsewhere). The
 router's logits are computed in float64: a product's last bits may depend on how many rows it has
-(the BLAS picks its kernel by shape), and in float32 that could flip a near-tie between two experts with the batch's composition; an exact tie
-(identical router rows) stays exact and goes the same way whatever the batch.
+(the BLAS picks its kernel by shape), and in float32 that could flip a near-tie between two
+experts with the batch's composition; an exact tie (identical router rows) stays exact and goes
+the same way whatever the batch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
-        self._router64: torch.Tensor | None = None  # NOTE: made on first use, after loading
+        self._router64: torch.Tensor | None = None  # NOTE: made by prepare(), after loading
         # NOTE: Mixtral weighs an expert's output in float32, Qwen3-MoE in the model's dtype
         self.weigh_in_float = spec.family == "mixtral"
         self.reduce = None  # NOTE: tensor parallelism: each expert's rank share summed (Linear's)
