@@ -2,8 +2,8 @@
 grouped GEMM of kernels/moe.py (its reference: MoE.route, then align_pairs).
 
 At decode sizes the routing's softmax / top-k / renormalization and align_pairs' ~25 small torch
-ops cost more in launches than the experts' weights take to read (bench/README.md#mixture-of-
-experts-h200). Here one program takes the router's float64 logits [T, E] and writes each token's
+ops cost more in launches than the experts' weights take to read
+(bench/README.md#mixture-of-experts-h200). Here one program takes the router's float64 logits [T, E] and writes each token's
 k experts and float32 weights, the pair ids grouped by expert (padding id T * k) and each
 block's expert: T * k pairs at most MAX_PAIRS.
 """
