@@ -385,3 +385,24 @@ def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0):
     got = fused_experts(*(t.to(device, dtype) for t in (x, gate_up, down)), weights.to(device),
                         chosen.to(device), True)
     _close(got.cpu(), ref, dtype, fp32_tol=1e-5)
+
+
+def check_route_align(device, tokens, experts, k, renormalize, seed=0):
+    """route_align's routing equals MoE.route's (softmax of float64 logits, top k, renormalized
+    or not; a tie goes to the lower expert) and its alignment align_pairs' (same groups)."""
+    from hsserve.kernels.moe import align_pairs
+    from hsserve.kernels.moe_route import route_align
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g, dtype=torch.float64)
+    logits[0, 1] = logits[0, 0]  # NOTE: a tie
+    w, e, ids, blocks = route_align(logits.to(device), k, renormalize, 16)
+    probs = torch.softmax(logits, dim=-1).float()
+    ref_w, ref_e = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+    assert torch.equal(e.cpu().sort(-1).values, ref_e.sort(-1).values)
+    assert torch.allclose(w.cpu().sort(-1).values, ref_w.sort(-1).values, rtol=1e-6)
+    ref_ids, ref_blocks = align_pairs(e.cpu(), experts, 16)
+    assert torch.equal(blocks.cpu(), ref_blocks)
+    assert torch.equal(ids.cpu(), ref_ids)  # NOTE: both keep the pairs' order within a group

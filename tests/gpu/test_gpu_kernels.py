@@ -143,3 +143,11 @@ def test_moe_grouped_gemm_matches_reference(dtype, tokens, experts, k, hidden, i
     from kernel_cases import check_moe
 
     check_moe("cuda", dtype, tokens, experts, k, hidden, inter)
+
+
+@pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (16, 128, 8, True),
+                                                             (7, 8, 2, False)])
+def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
+    from kernel_cases import check_route_align
+
+    check_route_align("cuda", tokens, experts, k, renormalize)

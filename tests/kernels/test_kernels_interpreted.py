@@ -124,3 +124,11 @@ def test_moe_grouped_gemm_matches_reference(tokens, experts, k, hidden, inter):
     from kernel_cases import check_moe
 
     check_moe("cpu", torch.float32, tokens, experts, k, hidden, inter)
+
+
+@pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (3, 8, 2, False),
+                                                             (16, 128, 8, True), (5, 6, 3, True)])
+def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
+    from kernel_cases import check_route_align
+
+    check_route_align("cpu", tokens, experts, k, renormalize)

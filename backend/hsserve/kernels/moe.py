@@ -99,17 +99,24 @@ def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights,
     return out
 
 
+def block_rows(pairs: int) -> int:
+    """BLOCK_M of the grouped GEMM: small groups at decode sizes, larger for prefill."""
+    return 16 if pairs <= 1024 else 64
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  weights: torch.Tensor, experts: torch.Tensor, weigh_in_float: bool) -> torch.Tensor:
+                  weights: torch.Tensor, experts: torch.Tensor, weigh_in_float: bool,
+                  aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """experts_ref's result through the grouped GEMM (routing weights applied in float32 either
-    way: the kernel's accumulator is float32)."""
+    way: the kernel's accumulator is float32). aligned: align_pairs' result for block_rows,
+    when already made (kernels/moe_route.py)."""
     tokens, k = experts.shape
-    block_m = 16 if tokens * k <= 1024 else 64
-    ids, block_expert = align_pairs(experts, gate_up.shape[0], block_m)
+    block_m = block_rows(tokens * k)
+    ids, block_expert = aligned or align_pairs(experts, gate_up.shape[0], block_m)
     inter = down.shape[2]
     pairs = tokens * k
     h = _grouped_gemm(x.contiguous(), gate_up, ids, block_expert, pairs, inter, k, True, None,
                       block_m)
     y = _grouped_gemm(h, down, ids, block_expert, pairs, down.shape[1], 1, False,
                       weights.float().reshape(-1).contiguous(), block_m)
-    return y.view(tokens, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return y.view(tokens, k, -1).sum(dim=1)  # NOTE: one kernel (float accumulation inside)

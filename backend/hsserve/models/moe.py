@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hsserve.kernels.moe import experts_ref, fused_experts
+from hsserve.kernels.moe import block_rows, experts_ref, fused_experts
+from hsserve.kernels.moe_route import MAX_PAIRS, route_align
 from hsserve.models.spec import ModelSpec
 
 
@@ -37,11 +38,15 @@ class MoE(nn.Module):
         """After loading: the router's float64 copy (made here, not inside a graph capture)."""
         self._router64 = self.router.double()
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])."""
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's float64 logits [tokens, experts]."""
         if self._router64 is None:
             self.prepare()
-        probs = torch.softmax(F.linear(x.double(), self._router64), dim=-1).float()
+        return F.linear(x.double(), self._router64)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])."""
+        probs = torch.softmax(self.logits(x), dim=-1).float()
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -49,8 +54,14 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, folded_eps: float | None = None) -> torch.Tensor:
         assert folded_eps is None, "a MoE layer's norms are never folded"
-        weights, experts = self.route(x)
         # NOTE: on CUDA the grouped GEMM (no host sync: capturable); elsewhere its reference
-        run = fused_experts if x.is_cuda else experts_ref
-        out = run(x, self.gate_up, self.down, weights, experts, self.weigh_in_float)
+        if x.is_cuda and len(x) * self.top_k <= MAX_PAIRS:  # NOTE: decode: one routing launch
+            weights, experts, ids, blocks = route_align(self.logits(x), self.top_k, self.renormalize,
+                                                        block_rows(len(x) * self.top_k))
+            out = fused_experts(x, self.gate_up, self.down, weights, experts, self.weigh_in_float,
+                                (ids, blocks))
+        else:
+            weights, experts = self.route(x)
+            run = fused_experts if x.is_cuda else experts_ref
+            out = run(x, self.gate_up, self.down, weights, experts, self.weigh_in_float)
         return out if self.reduce is None else self.reduce(out)
