@@ -124,3 +124,13 @@ def test_moe_grouped_gemm_matches_reference(tokens, experts, k, hidden, inter):
     from kernel_cases import check_moe
 
     check_moe("cpu", torch.float32, tokens, experts, k, hidden, inter)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_attention_kernels_soft_cap(window):
+    # Gemma 2: scores capped (softcap * tanh(s / softcap)) before the mask, decode and varlen
+    from kernel_cases import check_varlen
+
+    check_decode("cpu", torch.float32, 8, 2, 32, [1, 17, 50], window=window, num_splits=2,
+                 softcap=5.0)
+    check_varlen("cpu", torch.float32, 8, 2, 32, [(0, 19), (16, 5)], window=window, softcap=5.0)
