@@ -9,7 +9,7 @@ from hsserve.kernels.paged_attention_ref import paged_attention_ref, write_kv
 from hsserve.kernels.paged_decode_attention import paged_decode_attention, write_kv_triton
 
 
-def reference_decode(q, kv, tables, lens, scale, window):
+def reference_decode(q, kv, tables, lens, scale, window, softcap=None):
     bs = kv.shape[2]
     keys = torch.arange(tables.shape[1] * bs, device=q.device)
     lens_l = lens.long()
@@ -20,12 +20,12 @@ def reference_decode(q, kv, tables, lens, scale, window):
     batch = AttentionBatch(slot_mapping=torch.zeros(len(q), dtype=torch.long, device=q.device),
                            decode_rows=torch.arange(len(q), device=q.device),
                            decode_block_tables=tables.long(), decode_bias=bias)
-    out = paged_attention_ref(q.double(), kv.double(), batch, scale)
+    out = paged_attention_ref(q.double(), kv.double(), batch, scale, softcap)
     return torch.where(lens[:, None, None] > 0, out, torch.zeros_like(out))  # NOTE: empty rows -> 0
 
 
 def check_decode(device, dtype, heads, kv_heads, head_dim, lens, window=None, num_splits=None,
-                 block_size=16, seed=0):
+                 block_size=16, seed=0, softcap=None):
     g = torch.Generator(device="cpu").manual_seed(seed)
     num_blocks = 4 + sum(-(-n // block_size) for n in lens)
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
@@ -40,13 +40,15 @@ def check_decode(device, dtype, heads, kv_heads, head_dim, lens, window=None, nu
     tables = tables.to(device)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(device, dtype)
+    if softcap:  # NOTE: scores well past the cap, so that capping changes the result
+        q = q * 8
     scale = head_dim**-0.5
     counters = torch.zeros(len(lens) * kv_heads + 3, dtype=torch.int32, device=device)
-    ref = reference_decode(q, kv, tables[:, :width], lens_t, scale, window)
+    ref = reference_decode(q, kv, tables[:, :width], lens_t, scale, window, softcap)
     for _ in range(2):  # NOTE: the second call runs on the counters the first left
         out = torch.full_like(q, float("nan"))
         paged_decode_attention(q, kv, tables, lens_t, scale, window, num_splits, out=out,
-                               counters=counters)
+                               counters=counters, softcap=softcap)
         assert not torch.isnan(out).any(), "every output element must be written"
         err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-12)
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), float(err)
@@ -153,7 +155,7 @@ def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0, 
 
 
 def check_varlen(device, dtype, heads, kv_heads, head_dim, chunks, window=None, block_size=16,
-                 seed=0):
+                 seed=0, softcap=None):
     """Varlen paged attention: chunks [(start, rows)] (a chunk attends to keys 0..start + rows - 1,
     causally) against a float64 computation from the gathered keys."""
     from hsserve.kernels.paged_prefill_attention import paged_varlen_attention, varlen_metadata
@@ -164,6 +166,8 @@ def check_varlen(device, dtype, heads, kv_heads, head_dim, chunks, window=None, 
     perm = torch.randperm(num_blocks, generator=g).tolist()
     total = sum(n for _, n in chunks)
     q = torch.randn(total, heads, head_dim, generator=g).to(device, dtype)
+    if softcap:
+        q = q * 8
     spec, row, used = [], 0, 0
     for s, n in chunks:
         pages = -(-(s + n) // block_size)
@@ -173,7 +177,7 @@ def check_varlen(device, dtype, heads, kv_heads, head_dim, chunks, window=None, 
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     vb = varlen_metadata(spec, heads // kv_heads, torch.device(device))
-    paged_varlen_attention(q, kv, vb, scale, window, out=out)
+    paged_varlen_attention(q, kv, vb, scale, window, out=out, softcap=softcap)
     assert not torch.isnan(out).any(), "every row must be written"
     ref = torch.empty(q.shape, dtype=torch.float64)
     kv64 = kv.double().cpu()
@@ -189,6 +193,8 @@ def check_varlen(device, dtype, heads, kv_heads, head_dim, chunks, window=None, 
             if window:
                 vis &= keys > p - window
             att = torch.einsum("hd,khd->hk", q[r0 + i].double().cpu(), k) * scale
+            if softcap:
+                att = torch.tanh(att / softcap) * softcap
             att = att.masked_fill(~vis[None], float("-inf")).softmax(-1)
             ref[r0 + i] = torch.einsum("hk,khd->hd", att, v)
     err = (out.double().cpu() - ref).norm() / ref.norm()

@@ -151,3 +151,15 @@ def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
     check_route_align("cuda", tokens, experts, k, renormalize)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_attention_kernels_soft_cap(dtype, window):
+    # Gemma 2's capping in both attention kernels (its decode graphs and prefill)
+    from kernel_cases import check_varlen
+
+    for splits in (None, 1, 3):
+        check_decode("cuda", dtype, 8, 4, 256, [1, 17, 50, 300], window=window, num_splits=splits,
+                     softcap=50.0)
+    check_varlen("cuda", dtype, 8, 4, 256, [(0, 37), (32, 5), (0, 1)], window=window, softcap=50.0)

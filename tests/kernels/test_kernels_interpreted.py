@@ -132,3 +132,13 @@ def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
     check_route_align("cpu", tokens, experts, k, renormalize)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_attention_kernels_soft_cap(window):
+    # Gemma 2: scores capped (softcap * tanh(s / softcap)) before the mask, decode and varlen
+    from kernel_cases import check_varlen
+
+    check_decode("cpu", torch.float32, 8, 2, 32, [1, 17, 50], window=window, num_splits=2,
+                 softcap=5.0)
+    check_varlen("cpu", torch.float32, 8, 2, 32, [(0, 19), (16, 5)], window=window, softcap=5.0)

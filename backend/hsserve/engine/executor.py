@@ -47,9 +47,7 @@ class Executor:
         # NOTE: layers of two windows (Gemma 3): the torch path builds the sliding layers' masks too
         self.layer_window = next((w for w in model.spec.layer_windows if w is not None), None)
         self.dtype = model.embed.dtype
-        # NOTE: Gemma 2's attention soft-capping: the torch path (the kernels do not cap)
-        self.kernels = (kernels_supported(self.device, block_size, model.spec.head_dim)
-                        and model.spec.attn_softcap is None)
+        self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
         self.group = model.spec.num_heads // model.spec.num_kv_heads
         self.eos_ids = frozenset(model.spec.eos_token_ids)
         self._sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)

@@ -34,15 +34,15 @@ def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Attentio
 
 def attend(q: torch.Tensor, kv: torch.Tensor, batch: AttentionBatch, scale: float,
            window: int | None, softcap: float | None = None) -> torch.Tensor:
-    """softcap (Gemma 2): the torch path only (the executor runs no kernels for such a model)."""
-    assert softcap is None or not batch.kernels, "the attention kernels do not soft-cap"
+    """softcap: Gemma 2's attention soft-capping (scores capped before the mask)."""
     if batch.kernels and batch.varlen is not None:
         from hsserve.kernels.paged_prefill_attention import paged_varlen_attention
 
-        return paged_varlen_attention(q, kv, batch.varlen, scale, window)
+        return paged_varlen_attention(q, kv, batch.varlen, scale, window, softcap=softcap)
     if batch.kernels and batch.all_decode:
         from hsserve.kernels.paged_decode_attention import paged_decode_attention
 
         return paged_decode_attention(q, kv, batch.decode_block_tables, batch.decode_seq_lens,
-                                      scale, window, counters=batch.decode_counters)
+                                      scale, window, counters=batch.decode_counters,
+                                      softcap=softcap)
     return paged_attention_ref(q, kv, batch, scale, softcap)

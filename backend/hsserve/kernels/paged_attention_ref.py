@@ -34,13 +34,14 @@ def _attention(q, k, v, mask, scale: float, softcap: float | None, causal: bool 
     if q.shape[-3] != k.shape[-3]:  # NOTE: grouped heads: each KV head serves a group
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    wide = torch.promote_types(q.dtype, torch.float32)  # NOTE: float32, or float64 (an oracle)
+    s = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)) * scale
     s = torch.tanh(s / softcap) * softcap
     if causal:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(wide)
+    return torch.matmul(torch.softmax(s, dim=-1), v.to(wide)).to(q.dtype)
 
 
 def paged_attention_ref(

@@ -64,7 +64,7 @@ def write_kv_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 @triton.jit(do_not_specialize=["window", "stride_tb"])  # NOTE: vary per step; no recompiles
 def _decode_split_kernel(
     Q, KV, TABLES, LENS, ACC, STATS, OUT, COUNTERS,
-    scale, window,
+    scale, window, softcap,
     stride_qb, stride_qh,
     stride_ob, stride_oh,
     stride_half, stride_block, stride_tok, stride_head,
@@ -73,7 +73,7 @@ def _decode_split_kernel(
     stride_sb, stride_sh, stride_ss,
     NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    PAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,14 +103,16 @@ def _decode_split_kernel(
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=(g < GROUP)[:, None], other=0.0)
     if PDL:
-        m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
+        m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE,
+                                        softcap, SOFTCAP)
         start = first + PAGES
     for page0 in range(start, last, PAGES):
         keys, visible, base = _tile(page0, last, pos, window, n, b, kvh, TABLES, KV, stride_tb,
                                     stride_block, stride_tok, stride_head, BLOCK_SIZE)
         k = tl.load(base[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         v = tl.load(base[:, None] + stride_half + d[None, :], mask=visible[:, None], other=0.0)
-        m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE)
+        m, l, acc = online_softmax_step(q, k, v, visible[None, :], m, l, acc, scale, IEEE,
+                                        softcap, SOFTCAP)
     if single:  # NOTE: split 0, the only active one
         o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -251,12 +253,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, heads, head_dim]; kv one layer [2, blocks, block_size, kv_heads, head_dim];
     block_tables [B, max_pages] int32; seq_lens [B] int32 (keys 0..len-1 visible; the query is
     at position len-1). Returns [B, heads, head_dim] in q's dtype. counters: int32 zeros, at
     least B * kv_heads, which the kernel leaves zero (a CUDA graph's buffer); None: allocated.
-    config: (keys per loop step, num_warps, num_stages), for tuning; None: the defaults."""
+    config: (keys per loop step, num_warps, num_stages), for tuning; None: the defaults.
+    softcap: Gemma 2's attention soft-capping (None: none)."""
     bsz, heads, d = q.shape
     _, _, block_size, kv_heads, _ = kv.shape
     group = heads // kv_heads
@@ -274,7 +278,7 @@ def paged_decode_attention(
     tokens, warps, stages = config or (_PDL_CONFIG.get(d, _CONFIG) if pdl else _CONFIG)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
         q, kv, block_tables, seq_lens, acc, stats, out, counters,
-        scale, window or 0,
+        scale, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
@@ -289,6 +293,6 @@ def paged_decode_attention(
         HEAD_DIM=d,
         PAGES=max(1, tokens // block_size),
         IEEE=q.dtype == torch.float32,
-        PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        PDL=pdl, SOFTCAP=softcap is not None, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     return out

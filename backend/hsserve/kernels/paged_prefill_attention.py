@@ -69,11 +69,12 @@ def varlen_metadata(chunks: list[tuple[int, int, int, list[int]]], group: int,
 @triton.jit(do_not_specialize=["window", "stride_tb"])  # NOTE: vary per step; no recompiles
 def _varlen_kernel(
     Q, KV, OUT, ROW0, ROWS, POS0, SEQ, TABLES, CTX,
-    scale, window,
+    scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_half, stride_block, stride_tok, stride_head, stride_tb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGES: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -111,16 +112,18 @@ def _varlen_kernel(
         visible = in_ctx[None, :] & (keys[None, :] <= q_pos[:, None])
         if window > 0:
             visible = visible & (keys[None, :] > q_pos[:, None] - window)
-        m, l, acc = online_softmax_step(q, k, v, visible, m, l, acc, scale, IEEE)
+        m, l, acc = online_softmax_step(q, k, v, visible, m, l, acc, scale, IEEE, softcap,
+                                        SOFTCAP)
     o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(OUT + (row0 + r)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              o.to(OUT.dtype.element_ty), mask=ok[:, None])
 
 
 def paged_varlen_attention(q: torch.Tensor, kv: torch.Tensor, vb: VarlenBatch, scale: float,
-                           window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           window: int | None = None, out: torch.Tensor | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """q [tokens, heads, head_dim]; kv one layer [2, blocks, block_size, kv_heads, head_dim].
-    Rows not covered by a query block are left as they are in `out`."""
+    Rows not covered by a query block are left as they are in `out`. softcap: Gemma 2's."""
     _, heads, d = q.shape
     _, _, block_size, kv_heads, _ = kv.shape
     assert heads % kv_heads == 0 and q.stride(-1) == 1 and kv.stride(-1) == 1, "unsupported layout"
@@ -132,11 +135,11 @@ def paged_varlen_attention(q: torch.Tensor, kv: torch.Tensor, vb: VarlenBatch, s
         return out
     _varlen_kernel[(nb, kv_heads)](
         q, kv, out, vb.row0, vb.rows, vb.pos0, vb.seq, vb.tables, vb.ctx,
-        scale, window or 0,
+        scale, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), vb.tables.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_ROWS=vb.block_rows,
         BLOCK_SIZE=block_size, HEAD_DIM=d, PAGES=max(1, _TOKENS_PER_STEP // block_size),
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None,
     )
     return out
