@@ -375,9 +375,10 @@ def check_token_logprob(device, rows, vocab, seed=0):
         assert got[1, 1] == 1
 
 
-def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0):
-    """The grouped expert GEMM equals the reference's float64 result (float32 weights either way:
-    Mixtral's), every token routed to k distinct experts, some experts unused."""
+def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0, configs=(None, None)):
+    """The grouped expert GEMM (gate_up's and down's launch configs given or gemm_config's) equals
+    the reference's float64 result (float32 weights either way: Mixtral's), every token routed to
+    k distinct experts, some experts unused."""
     from hsserve.kernels.moe import experts_ref, fused_experts
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -389,11 +390,11 @@ def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0):
     weights, chosen = torch.topk(logits.softmax(-1), k)
     ref = experts_ref(x.double(), gate_up.double(), down.double(), weights.double(), chosen, True)
     got = fused_experts(*(t.to(device, dtype) for t in (x, gate_up, down)), weights.to(device),
-                        chosen.to(device), True)
+                        chosen.to(device), True, configs=configs)
     _close(got.cpu(), ref, dtype, fp32_tol=1e-5)
 
 
-def check_route_align(device, tokens, experts, k, renormalize, seed=0):
+def check_route_align(device, tokens, experts, k, renormalize, seed=0, num_warps=None):
     """route_align's routing equals MoE.route's (softmax of float64 logits, top k, renormalized
     or not; a tie goes to the lower expert) and its alignment align_pairs' (same groups)."""
     from hsserve.kernels.moe import align_pairs
@@ -402,7 +403,7 @@ def check_route_align(device, tokens, experts, k, renormalize, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     logits = torch.randn(tokens, experts, generator=g, dtype=torch.float64)
     logits[0, 1] = logits[0, 0]  # NOTE: a tie
-    w, e, ids, blocks = route_align(logits.to(device), k, renormalize, 16)
+    w, e, ids, blocks = route_align(logits.to(device), k, renormalize, 16, num_warps)
     probs = torch.softmax(logits, dim=-1).float()
     ref_w, ref_e = torch.topk(probs, k, dim=-1)
     if renormalize:
@@ -412,3 +413,27 @@ def check_route_align(device, tokens, experts, k, renormalize, seed=0):
     ref_ids, ref_blocks = align_pairs(e.cpu(), experts, 16)
     assert torch.equal(blocks.cpu(), ref_blocks)
     assert torch.equal(ids.cpu(), ref_ids)  # NOTE: both keep the pairs' order within a group
+
+
+def check_router_logits(device, dtype, tokens, experts, hidden, configs=(None,), seed=0):
+    """router_logits equals F.linear in float64 (error within 1e-12 of |x| |w|^T), keeps an exact
+    tie exact, and a token's logits are the same bits alone and at any place in a batch, under
+    each launch config."""
+    import torch.nn.functional as F
+
+    from hsserve.kernels.moe_route import router_logits
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    w = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(device, dtype)
+    w[3] = w[1]  # NOTE: experts 1 and 3 tie on every token
+    want = F.linear(x.double(), w.double())
+    bound = 1e-12 * F.linear(x.double().abs(), w.double().abs())
+    first = router_logits(x, w, configs[0])
+    for config in configs:
+        got = router_logits(x, w, config)
+        assert got.dtype == torch.float64 and ((got - want).abs() <= bound).all()
+        assert torch.equal(got, first), config  # NOTE: the launch config never changes a bit
+        assert torch.equal(got[:, 1], got[:, 3])
+        for i in sorted({0, tokens // 2, tokens - 1}):
+            assert torch.equal(router_logits(x[i : i + 1], w, config)[0], got[i]), (config, i)

@@ -145,12 +145,36 @@ def test_moe_grouped_gemm_matches_reference(dtype, tokens, experts, k, hidden, i
     check_moe("cuda", dtype, tokens, experts, k, hidden, inter)
 
 
+def test_moe_grouped_gemm_launch_configs():
+    # the decode tiles at batch 1 and 16 of the Qwen3-30B-A3B shape, the prefill tile at decode
+    from hsserve.kernels.moe import GemmConfig
+    from kernel_cases import check_moe
+
+    for cfg in (GemmConfig(16, 128, 4, 4), GemmConfig(32, 256, 8, 3), GemmConfig(64, 64, 4, 3),
+                GemmConfig(16, 64, 2, 5)):
+        for tokens in (1, 16):
+            check_moe("cuda", torch.bfloat16, tokens, 128, 8, 2048, 768, configs=(cfg, cfg))
+
+
 @pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (16, 128, 8, True),
-                                                             (7, 8, 2, False)])
+                                                             (7, 8, 2, False), (5, 6, 3, True),
+                                                             (4, 128, 8, False)])
 def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
-    check_route_align("cuda", tokens, experts, k, renormalize)
+    for warps in (None, 1, 2, 4, 8):
+        check_route_align("cuda", tokens, experts, k, renormalize, num_warps=warps)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, experts, hidden", [(1, 128, 2048), (16, 128, 2048),
+                                                     (300, 128, 2048), (7, 8, 4096), (3, 60, 200)])
+def test_moe_router_logits_float64_and_batch_independent(dtype, tokens, experts, hidden):
+    # the same bits alone and in a batch, under the decode, prefill and other launch configs
+    from kernel_cases import check_router_logits
+
+    check_router_logits("cuda", dtype, tokens, experts, hidden,
+                        configs=(None, (2, 2, 2), (4, 8, 4), (2, 1, 1), (8, 8, 8), (16, 4, 4)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -126,12 +126,31 @@ def test_moe_grouped_gemm_matches_reference(tokens, experts, k, hidden, inter):
     check_moe("cpu", torch.float32, tokens, experts, k, hidden, inter)
 
 
+def test_moe_grouped_gemm_launch_configs():
+    # decode-size and prefill-size tiles at either batch size (results alike)
+    from hsserve.kernels.moe import GemmConfig
+    from kernel_cases import check_moe
+
+    for cfg in (GemmConfig(16, 128, 4, 4), GemmConfig(32, 64, 2, 2), GemmConfig(64, 64, 4, 3)):
+        check_moe("cpu", torch.float32, 3, 8, 2, 200, 70, configs=(cfg, cfg))
+
+
 @pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (3, 8, 2, False),
-                                                             (16, 128, 8, True), (5, 6, 3, True)])
+                                                             (16, 128, 8, True), (5, 6, 3, True),
+                                                             (1, 8, 2, True), (2, 5, 5, False)])
 def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
     check_route_align("cpu", tokens, experts, k, renormalize)
+
+
+@pytest.mark.parametrize("tokens, dtype", [(1, torch.float32), (16, torch.bfloat16),
+                                           (40, torch.float32)])
+def test_moe_router_logits_float64_and_batch_independent(tokens, dtype):
+    from kernel_cases import check_router_logits
+
+    check_router_logits("cpu", dtype, tokens, 24, 200, configs=(None, (2, 2, 2), (4, 8, 4),
+                                                                (1, 16, 1)))
 
 
 @pytest.mark.parametrize("window", [None, 24])

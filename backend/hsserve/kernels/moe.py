@@ -5,11 +5,15 @@ Each (token, chosen expert) pair is one row. On the device, the pairs are groupe
 blocks of BLOCK_M rows (align_pairs: sorted by expert, each expert's group padded to a block),
 all with torch ops of fixed shapes (no host sync: capturable in the decode graphs). Then two
 launches of one kernel: gate_up with SiLU-and-mul (h [pairs, I]), and down scaled by the pair's
-routing weight (y [pairs, H]); the k pairs of a token are summed. A block reads only its expert's
-weights, so a decode step reads each chosen expert once (at batch 1, only the chosen ones).
+routing weight (y [pairs, H]); then the k pairs of a token are summed (sum_pairs). A block reads
+only its expert's weights, so a decode step reads each chosen expert once (at batch 1, only the
+chosen ones). The launch (tile, warps, stages) is gemm_config's, by size; bench/moe_kernels.py
+sweeps it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -89,13 +93,60 @@ def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, pairs, num_exper
         tl.store(out, acc.to(OUT.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
-def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights, block_m):
+class GemmConfig(NamedTuple):
+    """The grouped GEMM's launch: columns and depth of a program's tile, warps, pipeline stages."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+DECODE_PAIRS = 128  # NOTE: up to here the decode configs (a few rows per expert block)
+
+
+def gemm_config(pairs: int, n: int, k: int) -> GemmConfig:
+    """The launch of one grouped GEMM over `pairs` rows, N output columns (of each of gate and up
+    for gate_up), depth K. At decode sizes a block holds a row or two, so the weights' read is the
+    cost: narrow column tiles make many programs (batch 1: 8 blocks x N / BLOCK_N) to fill the
+    SMs, deep K tiles and stages keep loads in flight. Prefill keeps square 64 tiles."""
+    if pairs > DECODE_PAIRS:
+        return GemmConfig(64, 64, 4, 3)
+    return GemmConfig(16 if n <= 1024 else 32, 128, 4, 4)
+
+
+def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights, block_m,
+                  config: GemmConfig | None):
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
-    grid = (len(block_expert), triton.cdiv(n, 64))
+    cfg = config or gemm_config(pairs, n, x.shape[1])
+    grid = (len(block_expert), triton.cdiv(n, cfg.block_n))
     _grouped_gemm_kernel[grid](
         x, w, out, ids, block_expert, weights if weights is not None else out, pairs, w.shape[0],
         n, x.shape[1], x.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div,
-        SILU_MUL=silu_mul, WEIGH=weights is not None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+        SILU_MUL=silu_mul, WEIGH=weights is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+@triton.jit
+def _sum_pairs_kernel(Y, OUT, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """OUT[t] = Y[t K] + ... + Y[t K + K - 1] in float32, in that order, cast once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(Y + (t * K + j) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=cols < H)
+
+
+def sum_pairs(y: torch.Tensor, k: int, config: tuple[int, int] = (256, 1)) -> torch.Tensor:
+    """y [tokens * k, H] (each token's k pairs in a row) -> [tokens, H]: the pairs' sum in a
+    fixed order (deterministic). config: (BLOCK_H, num_warps)."""
+    pairs, hidden = y.shape
+    assert y.is_contiguous() and pairs % k == 0
+    out = torch.empty(pairs // k, hidden, dtype=y.dtype, device=y.device)
+    block_h, warps = config
+    _sum_pairs_kernel[(pairs // k, triton.cdiv(hidden, block_h))](y, out, hidden, K=k,
+                                                                  BLOCK_H=block_h, num_warps=warps)
     return out
 
 
@@ -106,17 +157,20 @@ def block_rows(pairs: int) -> int:
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   weights: torch.Tensor, experts: torch.Tensor, weigh_in_float: bool,
-                  aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  configs: tuple[GemmConfig | None, GemmConfig | None] = (None, None)
+                  ) -> torch.Tensor:
     """experts_ref's result through the grouped GEMM (routing weights applied in float32 either
     way: the kernel's accumulator is float32). aligned: align_pairs' result for block_rows,
-    when already made (kernels/moe_route.py)."""
+    when already made (kernels/moe_route.py); configs: gate_up's and down's launches (None:
+    gemm_config's)."""
     tokens, k = experts.shape
     block_m = block_rows(tokens * k)
     ids, block_expert = aligned or align_pairs(experts, gate_up.shape[0], block_m)
     inter = down.shape[2]
     pairs = tokens * k
     h = _grouped_gemm(x.contiguous(), gate_up, ids, block_expert, pairs, inter, k, True, None,
-                      block_m)
+                      block_m, configs[0])
     y = _grouped_gemm(h, down, ids, block_expert, pairs, down.shape[1], 1, False,
-                      weights.float().reshape(-1).contiguous(), block_m)
-    return y.view(tokens, k, -1).sum(dim=1)  # NOTE: one kernel (float accumulation inside)
+                      weights.float().reshape(-1).contiguous(), block_m, configs[1])
+    return sum_pairs(y, k)

@@ -1,10 +1,12 @@
-"""A decode step's expert routing and the pairs' alignment by expert in one program, for the
-grouped GEMM of kernels/moe.py (its reference: MoE.route, then align_pairs).
+"""A mixture-of-experts layer's routing on CUDA, for the grouped GEMM of kernels/moe.py: the
+router's float64 logits (router_logits; its reference: F.linear in float64), then a decode
+step's routing and the pairs' alignment by expert in one program (route_align; its reference:
+MoE.route, then align_pairs).
 
 At decode sizes the routing's softmax / top-k / renormalization and align_pairs' ~25 small torch
 ops cost more in launches than the experts' weights take to read
-(bench/README.md#mixture-of-experts-h200). Here one program takes the router's float64 logits [T, E] and writes each token's
-k experts and float32 weights, the pair ids grouped by expert (padding id T * k) and each
+(bench/README.md#mixture-of-experts-h200). route_align takes the logits [T, E] and writes each
+token's k experts and float32 weights, the pair ids grouped by expert (padding id T * k) and each
 block's expert: T * k pairs at most MAX_PAIRS.
 """
 
@@ -15,62 +17,147 @@ import triton
 import triton.language as tl
 
 MAX_PAIRS = 128  # NOTE: the pairwise rank below is [pairs, pairs] in registers
+LANES = 64  # NOTE: a logit's partial sums (part of its arithmetic: fixed, never tuned)
+
+
+@triton.jit
+def _fold_pairs(acc):
+    """[a, b, 2n] -> [a, b, n]: lane i + lane i + 1, a sum of two (its order is no choice)."""
+    lo, hi = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1], acc.shape[2] // 2, 2)))
+    return lo + hi
+
+
+@triton.jit
+def _router_logits_kernel(X, W, OUT, tokens, num_experts, K, stride_x, stride_w,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, LANES: tl.constexpr,
+                          LOG2_LANES: tl.constexpr):
+    """OUT[t, e] = sum_k X[t, k] W[e, k] in float64 over one block of tokens x experts."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    lane = tl.arange(0, LANES)
+    acc = tl.zeros((BLOCK_T, BLOCK_E, LANES), dtype=tl.float64)
+    for k0 in range(0, K, LANES):
+        ks = k0 + lane
+        x = tl.load(X + t[:, None] * stride_x + ks[None, :],
+                    mask=(t[:, None] < tokens) & (ks[None, :] < K), other=0.0).to(tl.float64)
+        w = tl.load(W + e[:, None] * stride_w + ks[None, :],
+                    mask=(e[:, None] < num_experts) & (ks[None, :] < K), other=0.0).to(tl.float64)
+        acc = tl.fma(x[:, None, :], w[None, :, :], acc)
+    # NOTE: each logit is lane-serial sums folded pairwise: the same operations in the same order
+    # whatever the tile, the batch or the row's place in it, so a near-tie between two experts
+    # cannot flip with the batch's composition (the point of routing in float64)
+    for _ in tl.static_range(LOG2_LANES):
+        acc = _fold_pairs(acc)
+    out = OUT + t[:, None] * num_experts + e[None, :]
+    tl.store(out, tl.reshape(acc, (BLOCK_T, BLOCK_E)),
+             mask=(t[:, None] < tokens) & (e[None, :] < num_experts))
+
+
+def router_config(tokens: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_E, num_warps) of router_logits: many small programs at decode sizes (the
+    router's rows spread over the SMs), larger tiles for prefill. Any choice gives the same bits."""
+    if tokens <= 16:
+        return 2, 2, 2
+    return 4, 8, 4
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor,
+                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [T, H] (any float dtype), router w [E, H] (any float dtype) -> float64 logits [T, E]:
+    both widened inside the kernel (exactly), no float64 copy of either needed."""
+    tokens, hidden = x.shape
+    num_experts = w.shape[0]
+    assert w.shape[1] == hidden and x.stride(1) == 1 and w.stride(1) == 1
+    block_t, block_e, warps = config or router_config(tokens)
+    out = torch.empty(tokens, num_experts, dtype=torch.float64, device=x.device)
+    grid = (triton.cdiv(tokens, block_t), triton.cdiv(num_experts, block_e))
+    _router_logits_kernel[grid](x, w, out, tokens, num_experts, hidden, x.stride(0), w.stride(0),
+                                BLOCK_T=block_t, BLOCK_E=block_e, LANES=LANES,
+                                LOG2_LANES=LANES.bit_length() - 1, num_warps=warps)
+    return out
 
 
 @triton.jit
 def _route_align_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, tokens, num_experts,
                         rows, num_blocks, K: tl.constexpr, RENORM: tl.constexpr,
-                        E_PAD: tl.constexpr, P_PAD: tl.constexpr, R_PAD: tl.constexpr,
-                        B_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+                        E_PAD: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                        R_PAD: tl.constexpr, B_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     e = tl.arange(0, E_PAD)
-    p = tl.arange(0, P_PAD)  # NOTE: pair p = token p // K, slot p % K
-    pairs = tokens * K
-    token, slot = p // K, p % K
-    valid = p < pairs
-    # NOTE: routing, per pair's token (each token's row read K times: small)
+    t = tl.arange(0, T_PAD)
+    j = tl.arange(0, K_PAD)
     real = e[None, :] < num_experts
-    lg = tl.load(LOGITS + token[:, None] * num_experts + e[None, :], mask=valid[:, None] & real,
-                 other=0.0)  # NOTE: padding pairs read zeros: no NaN
+    lg = tl.load(LOGITS + t[:, None] * num_experts + e[None, :],
+                 mask=(t[:, None] < tokens) & real, other=0.0)  # NOTE: padding rows: no NaN
     lg = tl.where(real, lg, float("-inf"))
     lg = lg - tl.max(lg, 1)[:, None]
     ex = tl.exp(lg)
     probs = (ex / tl.sum(ex, 1)[:, None]).to(tl.float32)
-    probs = tl.where(real, probs, -1.0)
-    chosen = tl.zeros((P_PAD,), dtype=tl.int32)
-    weight = tl.zeros((P_PAD,), dtype=tl.float32)
-    total = tl.zeros((P_PAD,), dtype=tl.float32)
-    for j in tl.static_range(K):  # NOTE: the j-th largest, lowest index on ties
-        best = tl.max(probs, 1)
-        idx = tl.min(tl.where(probs == best[:, None], e[None, :], E_PAD), 1)
-        chosen = tl.where(slot == j, idx, chosen)
-        weight = tl.where(slot == j, best, weight)
-        total += best
-        probs = tl.where(e[None, :] == idx[:, None], -2.0, probs)
+    # NOTE: a probability's bits (>= 0: ordered as the floats) over the expert index reversed:
+    # one max is the largest probability, the lowest index on a tie; -1: never chosen
+    key = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - e)[None, :]
+    key = tl.where(real, key, -1)
+    chosen = tl.zeros((T_PAD, K_PAD), dtype=tl.int32)
+    weight = tl.zeros((T_PAD, K_PAD), dtype=tl.float32)
+    total = tl.zeros((T_PAD,), dtype=tl.float32)
+    for s in tl.static_range(K):
+        best = tl.max(key, 1)
+        hi = best >> 32
+        idx = (E_PAD - 1 - (best - (hi << 32))).to(tl.int32)
+        prob = hi.to(tl.int32).to(tl.float32, bitcast=True)
+        chosen = tl.where(j[None, :] == s, idx[:, None], chosen)
+        weight = tl.where(j[None, :] == s, prob[:, None], weight)
+        total += prob
+        key = tl.where(e[None, :] == idx[:, None], -1, key)
     if RENORM:
-        weight = weight / total
-    tl.store(WEIGHTS + p, weight, mask=valid)
-    tl.store(EXPERTS + p, chosen.to(tl.int64), mask=valid)
-    # NOTE: alignment: counts per expert, each pair's rank among its expert's, padded groups
-    hot = ((chosen[:, None] == e[None, :]) & valid[:, None]).to(tl.int32)
+        weight = weight / total[:, None]
+    mine = (t[:, None] < tokens) & (j[None, :] < K)
+    tl.store(WEIGHTS + t[:, None] * K + j[None, :], weight, mask=mine)
+    tl.store(EXPERTS + t[:, None] * K + j[None, :], chosen.to(tl.int64), mask=mine)
+    _align(IDS, BLOCK_EXPERT, tl.reshape(tl.where(mine, chosen, -1), (T_PAD * K_PAD,)),
+           tl.reshape(t[:, None] * K + j[None, :], (T_PAD * K_PAD,)), tokens * K, num_experts,
+           rows, num_blocks, E_PAD, T_PAD * K_PAD, R_PAD, B_PAD, BLOCK_M)
+
+
+@triton.jit
+def _align(IDS, BLOCK_EXPERT, chosen, pair, pairs, num_experts, rows, num_blocks,
+           E_PAD: tl.constexpr, P_PAD: tl.constexpr, R_PAD: tl.constexpr,
+           B_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """align_pairs over the pairs in (token, slot) order: chosen -1 for padding."""
+    e = tl.arange(0, E_PAD)
+    p = tl.arange(0, P_PAD)
+    valid = chosen >= 0
+    hot = (chosen[:, None] == e[None, :]).to(tl.int32)
     counts = tl.sum(hot, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
-    q = tl.arange(0, P_PAD)
-    chosen_q = tl.where(q < pairs, chosen, -1)
-    same = (chosen_q[None, :] == chosen[:, None]) & (q[None, :] < p[:, None])
-    rank = tl.sum(same.to(tl.int32), 1)
+    same = (chosen[None, :] == chosen[:, None]) & (p[None, :] < p[:, None])
+    rank = tl.sum(same.to(tl.int32), 1)  # NOTE: among its expert's pairs, in pair order
     dest = tl.sum(hot * starts[None, :], 1) + rank
     r = tl.arange(0, R_PAD)
     tl.store(IDS + r, tl.zeros((R_PAD,), dtype=tl.int64) + pairs, mask=r < rows)
     tl.debug_barrier()  # NOTE: the padding ids first, then the pairs over them
-    tl.store(IDS + dest, p.to(tl.int64), mask=valid)
+    tl.store(IDS + dest, pair.to(tl.int64), mask=valid)
     b = tl.arange(0, B_PAD)
     before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < num_experts)
     tl.store(BLOCK_EXPERT + b, tl.sum(before.to(tl.int64), 1), mask=b < num_blocks)
 
 
-def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int):
+def route_warps(tokens: int, k: int, num_experts: int) -> int:
+    """route_align's num_warps: one warp while the [pairs, experts] alignment is small (a serial
+    chain of reductions: shuffles only, no barrier), more as it grows."""
+    t_pad, k_pad = _pads(tokens, k)
+    return min(4, max(1, t_pad * k_pad * triton.next_power_of_2(num_experts) // 2048))
+
+
+def _pads(tokens: int, k: int) -> tuple[int, int]:
+    """(T_PAD, K_PAD): powers of two, at least 16 pairs."""
+    k_pad = triton.next_power_of_2(k)
+    return max(triton.next_power_of_2(tokens), triton.cdiv(16, k_pad)), k_pad
+
+
+def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
+                num_warps: int | None = None):
     """float64 router logits [T, E] -> (weights [T, k] float32, experts [T, k], pair ids grouped
     by expert, each block's expert): MoE.route and align_pairs in one launch."""
     tokens, num_experts = logits.shape
@@ -82,9 +169,11 @@ def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int):
     experts = torch.empty(tokens, k, dtype=torch.int64, device=dev)
     ids = torch.empty(rows, dtype=torch.int64, device=dev)
     block_expert = torch.empty(rows // block_m, dtype=torch.int64, device=dev)
+    t_pad, k_pad = _pads(tokens, k)
     _route_align_kernel[(1,)](
         logits.contiguous(), weights, experts, ids, block_expert, tokens, num_experts, rows,
         rows // block_m, K=k, RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts),
-        P_PAD=max(16, triton.next_power_of_2(pairs)), R_PAD=triton.next_power_of_2(rows),
-        B_PAD=max(16, triton.next_power_of_2(rows // block_m)), BLOCK_M=block_m)
+        T_PAD=t_pad, K_PAD=k_pad, R_PAD=triton.next_power_of_2(rows),
+        B_PAD=max(16, triton.next_power_of_2(rows // block_m)), BLOCK_M=block_m,
+        num_warps=num_warps or route_warps(tokens, k, num_experts))
     return weights, experts, ids, block_expert
