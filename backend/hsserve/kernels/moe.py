@@ -138,13 +138,16 @@ def _sum_pairs_kernel(Y, OUT, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
     tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=cols < H)
 
 
-def sum_pairs(y: torch.Tensor, k: int, config: tuple[int, int] = (256, 1)) -> torch.Tensor:
+SUM_CONFIG = (256, 1)  # NOTE: (BLOCK_H, num_warps): 16-byte loads of bf16, a warp per program
+
+
+def sum_pairs(y: torch.Tensor, k: int, config: tuple[int, int] | None = None) -> torch.Tensor:
     """y [tokens * k, H] (each token's k pairs in a row) -> [tokens, H]: the pairs' sum in a
-    fixed order (deterministic). config: (BLOCK_H, num_warps)."""
+    fixed order (deterministic). config: (BLOCK_H, num_warps), SUM_CONFIG by default."""
     pairs, hidden = y.shape
     assert y.is_contiguous() and pairs % k == 0
     out = torch.empty(pairs // k, hidden, dtype=y.dtype, device=y.device)
-    block_h, warps = config
+    block_h, warps = config or SUM_CONFIG
     _sum_pairs_kernel[(pairs // k, triton.cdiv(hidden, block_h))](y, out, hidden, K=k,
                                                                   BLOCK_H=block_h, num_warps=warps)
     return out
