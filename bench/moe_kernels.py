@@ -5,7 +5,9 @@ is timed inside a captured CUDA graph over `--layers` distinct layers (nothing f
 cost as in the engine), for a sweep of its launch configs: every candidate checked against the
 default's result, one JSON line per (batch, piece, config), then the best config per piece.
 
-    python bench/moe_kernels.py [--batches 1 64] [--layers 8] [--out FILE]
+    python bench/moe_kernels.py [--batches 1 64] [--layers 8] [--prefill-tokens 4096] [--out FILE]
+
+The last lines: the router alone at a prefill size (its kernel against a cast + cuBLAS).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ DEVICE = "cuda"
 ROUTER_CONFIGS = [(2, 1, 1), (2, 2, 1), (2, 2, 2), (2, 4, 2), (2, 8, 4), (4, 4, 2), (4, 8, 4),
                   (8, 8, 4), (16, 8, 8)]
 SUM_CONFIGS = [(128, 1), (256, 1), (256, 2), (512, 2), (1024, 4)]
-GEMM_KNOBS = {"block_n": (16, 32, 64), "block_k": (64, 128, 256), "num_warps": (1, 2, 4, 8),
+GEMM_KNOBS = {"block_n": (16, 32, 64), "block_k": (64, 128, 256), "num_warps": (2, 4, 8),
               "num_stages": (2, 3, 4, 5)}
+PREFILL_ROUTER_CONFIGS = [(4, 8, 4), (8, 8, 4), (8, 16, 8), (16, 8, 8)]
 
 
 def build(layers: int) -> list[MoE]:
@@ -213,16 +216,39 @@ def bench_batch(moes: list[MoE], batch: int, rows: list) -> None:
              default=default, default_us=mine[0]["us"] if mine else None)
 
 
+def bench_prefill_router(moes: list[MoE], tokens: int, rows: list) -> None:
+    """The router's kernel against main's cast + cuBLAS float64 product at a prefill size."""
+    hidden = moes[0].router.shape[1]
+    xs = [torch.randn(tokens, hidden, device=DEVICE).bfloat16() for _ in moes[:2]]
+    r64 = [moe.router.double() for moe in moes[:2]]
+
+    def logits(i, cfg):
+        if cfg == "torch":
+            return F.linear(xs[i].double(), r64[i])
+        return router_logits(xs[i], moes[i].router, cfg)
+
+    best = sweep(rows, tokens, "router", PREFILL_ROUTER_CONFIGS + ["torch"], logits,
+                 torch_or_equal(1e-12), 0, 2)
+    emit(rows, batch=tokens, piece="router", best=best["config"], best_us=best["us"],
+         default=router_config(tokens))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--layers", type=int, default=8, help="distinct layers a graph cycles over")
+    ap.add_argument("--prefill-tokens", type=int, default=4096, help="router only; 0: none")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     start, rows = time.time(), []
     moes = build(args.layers)
     for batch in args.batches:
         bench_batch(moes, batch, rows)
+        if args.out:
+            write_result(args.out, {"benchmark": "moe_kernels", "shape": "qwen3-30b-a3b",
+                                    "rows": rows})
+    if args.prefill_tokens:
+        bench_prefill_router(moes, args.prefill_tokens, rows)
         if args.out:
             write_result(args.out, {"benchmark": "moe_kernels", "shape": "qwen3-30b-a3b",
                                     "rows": rows})
