@@ -151,8 +151,8 @@ def route_warps(tokens: int, k: int, num_experts: int) -> int:
 
 
 def _pads(tokens: int, k: int) -> tuple[int, int]:
-    """(T_PAD, K_PAD): powers of two, at least 16 pairs."""
-    k_pad = triton.next_power_of_2(k)
+    """(T_PAD, K_PAD): powers of two, at least 16 pairs and 2 slots."""
+    k_pad = max(2, triton.next_power_of_2(k))
     return max(triton.next_power_of_2(tokens), triton.cdiv(16, k_pad)), k_pad
 
 
