@@ -57,7 +57,7 @@ for part in $parts; do
            -k "moe or family" -q -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -15
          timeout 240 python3 bench/gpu_decode.py --shapes qwen3-30b-a3b --batches-8b 1 64 --repeats 1 \
            --no-hf --out "$OUT/h200_decode_moe.json" 2>&1 | grep "^{\|Error\|error" ;;
-    moe_kernels) timeout 280 python3 bench/moe_kernels.py --out "$OUT/h200_moe_kernels.json" 2>&1 \
+    moe_kernels) timeout 150 python3 bench/moe_kernels.py --out "$OUT/h200_moe_kernels.json" 2>&1 \
                    | grep -v "^\[W" ;;  # NOTE: the MoE pieces' launch sweeps (one H200)
     tp_tests) timeout 300 python3 -m pytest -m gpu tests/gpu/test_gpu_tensor_parallel.py -q \
                 -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -12 ;;  # NOTE: nvidia-h200-x2

@@ -1,13 +1,12 @@
 """A mixture-of-experts layer's decode pieces on the GPU, Qwen3-30B-A3B shape (hidden 2048, 128
-experts, top 8, intermediate 768, bf16, random weights and routers): the router's float64 logits,
-route_align, the gate_up and down grouped GEMMs, the pairs' sum, and the whole MoE.forward. Each
-is timed inside a captured CUDA graph over `--layers` distinct layers (nothing from L2, launch
-cost as in the engine), for a sweep of its launch configs: every candidate checked against the
-default's result, one JSON line per (batch, piece, config), then the best config per piece.
+experts, top 8, intermediate 768, bf16, random weights and routers): the router's float64 logits
+(MoE.logits: a cast, then cuBLAS), route_align, the gate_up and down grouped GEMMs, the pairs'
+sum, and the whole MoE.forward. Each is timed inside a captured CUDA graph over `--layers`
+distinct layers (nothing from L2, launch cost as in the engine), for its default launch config
+and a neighbour of it in each knob: every candidate checked against the default's result, one
+JSON line per (batch, piece, config), then the best config per piece beside the default.
 
-    python bench/moe_kernels.py [--batches 1 64] [--layers 8] [--prefill-tokens 4096] [--out FILE]
-
-The last lines: the router alone at a prefill size (its kernel against a cast + cuBLAS).
+    python bench/moe_kernels.py [--batches 1 64] [--layers 8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backend"))
@@ -29,19 +27,14 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from hsserve.kernels.moe import (SUM_CONFIG, GemmConfig, _grouped_gemm,  # noqa: E402
                                  align_pairs, block_rows, gemm_config, sum_pairs)
-from hsserve.kernels.moe_route import (MAX_PAIRS, route_align, route_warps,  # noqa: E402
-                                       router_config, router_logits)
+from hsserve.kernels.moe_route import MAX_PAIRS, ROUTE_WARPS, route_align  # noqa: E402
 from hsserve.models.moe import MoE  # noqa: E402
 from hsserve.models.spec import ModelSpec  # noqa: E402
 
 TB = 4.25e12  # NOTE: the H200's measured copy bandwidth, bytes/s
 DEVICE = "cuda"
-ROUTER_CONFIGS = [(2, 1, 1), (2, 2, 1), (2, 2, 2), (2, 4, 2), (2, 8, 4), (4, 4, 2), (4, 8, 4),
-                  (8, 8, 4), (16, 8, 8)]
-SUM_CONFIGS = [(128, 1), (256, 1), (256, 2), (512, 2), (1024, 4)]
-GEMM_KNOBS = {"block_n": (16, 32, 64), "block_k": (64, 128, 256), "num_warps": (2, 4, 8),
-              "num_stages": (2, 3, 4, 5)}
-PREFILL_ROUTER_CONFIGS = [(4, 8, 4), (8, 8, 4), (8, 16, 8), (16, 8, 8)]
+ROUTE_CONFIGS = [2, 4, 8]  # NOTE: route_align's num_warps
+SUM_CONFIGS = [(128, 1), (256, 1), (256, 2)]
 
 
 def build(layers: int) -> list[MoE]:
@@ -65,26 +58,22 @@ def emit(rows: list, **row) -> dict:
     return row
 
 
-def sweep(rows, batch, piece, configs, run, check, floor_us, calls, done=None) -> dict | None:
+def sweep(rows, batch, piece, configs, run, check, floor_us, calls) -> dict | None:
     """Times run(layer, config) per config inside one graph over the layers, each result checked
-    (check(got, default's, config)) first; done: config -> row, those already measured. -> the
-    fastest row."""
-    done = {} if done is None else done
+    (check(got, default's, config)) first. -> the fastest row."""
     ref = [run(i, None) for i in range(calls)]
+    timed = []
     for cfg in configs:
-        if cfg in done:
-            continue
         try:
             outs = [run(i, cfg) for i in range(calls)]
         except OutOfResources as e:  # NOTE: a candidate too big for the SM is no failure
-            done[cfg] = emit(rows, batch=batch, piece=piece, config=cfg, skipped=str(e)[:120])
+            emit(rows, batch=batch, piece=piece, config=cfg, skipped=str(e)[:120])
             continue
         for got, want in zip(outs, ref):
             check(got, want, cfg)
         us = time_graph(lambda i, cfg=cfg: run(i % calls, cfg), calls=2 * calls, replays=20)
-        done[cfg] = emit(rows, batch=batch, piece=piece, config=cfg, us=round(us, 2),
-                         floor_us=round(floor_us, 2))
-    timed = [r for c, r in done.items() if c in configs and "us" in r]
+        timed.append(emit(rows, batch=batch, piece=piece, config=cfg, us=round(us, 2),
+                          floor_us=round(floor_us, 2)))
     return min(timed, key=lambda r: r["us"]) if timed else None
 
 
@@ -109,16 +98,10 @@ def torch_or_equal(tol: float):
     return check
 
 
-def gemm_sweep(rows, batch, piece, base: GemmConfig, run, floor_us, calls) -> dict:
-    """One knob at a time around the default, then the knobs' bests together."""
-    done: dict = {}
-    bests = {}
-    for knob, values in GEMM_KNOBS.items():
-        cands = [base._replace(**{knob: v}) for v in values]
-        bests[knob] = sweep(rows, batch, piece, cands, run, close, floor_us, calls, done)
-    combined = base._replace(**{k: b["config"][k] for k, b in bests.items() if b})
-    sweep(rows, batch, piece, [combined], run, close, floor_us, calls, done)
-    return min((r for r in done.values() if "us" in r), key=lambda r: r["us"])
+def gemm_neighbours(base: GemmConfig) -> list[GemmConfig]:
+    """The default, then one knob at a time moved a step (stages: the other size's, 3 <-> 4)."""
+    return [base, base._replace(block_n=32), base._replace(block_k=64),
+            base._replace(num_warps=2), base._replace(num_stages=7 - base.num_stages)]
 
 
 def route_torch(logits: torch.Tensor, k: int, num_experts: int, block_m: int):
@@ -133,23 +116,15 @@ def bench_routing(moes, xs, batch, rows, best, defaults):
     layer's (weights, experts, pair ids, block experts)."""
     calls, k, (e, hidden) = len(moes), moes[0].top_k, moes[0].router.shape
     block_m = block_rows(batch * k)
-    r64 = [moe.router.double() for moe in moes]
-
-    def logits(i, cfg):
-        if cfg == "torch":  # NOTE: main's router: a cast, then cuBLAS in float64
-            return F.linear(xs[i].double(), r64[i])
-        return router_logits(xs[i], moes[i].router, cfg)
-
-    defaults["router"] = router_config(batch)
-    best["router"] = sweep(rows, batch, "router", ROUTER_CONFIGS + ["torch"], logits,
-                           torch_or_equal(1e-12), e * hidden * 2 / TB * 1e6, calls)
-    lg = [logits(i, None) for i in range(calls)]
+    best["router"] = sweep(rows, batch, "router", [None], lambda i, _c: moes[i].logits(xs[i]),
+                           equal, e * hidden * 8 / TB * 1e6, calls)
+    lg = [moes[i].logits(xs[i]) for i in range(calls)]
     if batch * k <= MAX_PAIRS:
         def route(i, warps):
             return route_align(lg[i], k, True, block_m, warps)
 
-        defaults["route_align"] = route_warps(batch, k, e)
-        best["route_align"] = sweep(rows, batch, "route_align", [1, 2, 4, 8], route, equal, 0,
+        defaults["route_align"] = ROUTE_WARPS
+        best["route_align"] = sweep(rows, batch, "route_align", ROUTE_CONFIGS, route, equal, 0,
                                     calls)
     else:
         def route(i, _cfg):
@@ -171,9 +146,9 @@ def bench_experts(moes, xs, batch, routed, rows, best, defaults) -> float:
         return _grouped_gemm(xs[i], moes[i].gate_up, ids, blocks, pairs, inter, k, True, None,
                              block_m, cfg)
 
-    defaults["gate_up"] = gemm_config(pairs, inter, hidden)
-    best["gate_up"] = gemm_sweep(rows, batch, "gate_up", defaults["gate_up"], gate_up,
-                                 used * 2 * inter * hidden * 2 / TB * 1e6, calls)
+    defaults["gate_up"] = defaults["down"] = gemm_config(pairs)
+    best["gate_up"] = sweep(rows, batch, "gate_up", gemm_neighbours(defaults["gate_up"]), gate_up,
+                            close, used * 2 * inter * hidden * 2 / TB * 1e6, calls)
     hs = [gate_up(i, None) for i in range(calls)]
 
     def down(i, cfg):
@@ -181,9 +156,8 @@ def bench_experts(moes, xs, batch, routed, rows, best, defaults) -> float:
         return _grouped_gemm(hs[i], moes[i].down, ids, blocks, pairs, hidden, 1, False,
                              w.reshape(-1), block_m, cfg)
 
-    defaults["down"] = gemm_config(pairs, hidden, inter)
-    best["down"] = gemm_sweep(rows, batch, "down", defaults["down"], down,
-                              used * inter * hidden * 2 / TB * 1e6, calls)
+    best["down"] = sweep(rows, batch, "down", gemm_neighbours(defaults["down"]), down, close,
+                         used * inter * hidden * 2 / TB * 1e6, calls)
     ys = [down(i, None) for i in range(calls)]
 
     def summed(i, cfg):
@@ -204,7 +178,7 @@ def bench_batch(moes: list[MoE], batch: int, rows: list) -> None:
     best, defaults = {}, {}
     routed = bench_routing(moes, xs, batch, rows, best, defaults)
     used = bench_experts(moes, xs, batch, routed, rows, best, defaults)
-    floor = (e * hidden * 2 + used * 3 * inter * hidden * 2) / TB * 1e6
+    floor = (e * hidden * 8 + used * 3 * inter * hidden * 2) / TB * 1e6
     best["forward"] = sweep(rows, batch, "forward", [None], lambda i, _c: moes[i](xs[i]), equal,
                             floor, len(moes))
     for piece, row in best.items():
@@ -216,39 +190,16 @@ def bench_batch(moes: list[MoE], batch: int, rows: list) -> None:
              default=default, default_us=mine[0]["us"] if mine else None)
 
 
-def bench_prefill_router(moes: list[MoE], tokens: int, rows: list) -> None:
-    """The router's kernel against main's cast + cuBLAS float64 product at a prefill size."""
-    hidden = moes[0].router.shape[1]
-    xs = [torch.randn(tokens, hidden, device=DEVICE).bfloat16() for _ in moes[:2]]
-    r64 = [moe.router.double() for moe in moes[:2]]
-
-    def logits(i, cfg):
-        if cfg == "torch":
-            return F.linear(xs[i].double(), r64[i])
-        return router_logits(xs[i], moes[i].router, cfg)
-
-    best = sweep(rows, tokens, "router", PREFILL_ROUTER_CONFIGS + ["torch"], logits,
-                 torch_or_equal(1e-12), 0, 2)
-    emit(rows, batch=tokens, piece="router", best=best["config"], best_us=best["us"],
-         default=router_config(tokens))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--layers", type=int, default=8, help="distinct layers a graph cycles over")
-    ap.add_argument("--prefill-tokens", type=int, default=4096, help="router only; 0: none")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     start, rows = time.time(), []
     moes = build(args.layers)
     for batch in args.batches:
         bench_batch(moes, batch, rows)
-        if args.out:
-            write_result(args.out, {"benchmark": "moe_kernels", "shape": "qwen3-30b-a3b",
-                                    "rows": rows})
-    if args.prefill_tokens:
-        bench_prefill_router(moes, args.prefill_tokens, rows)
         if args.out:
             write_result(args.out, {"benchmark": "moe_kernels", "shape": "qwen3-30b-a3b",
                                     "rows": rows})

@@ -413,27 +413,3 @@ def check_route_align(device, tokens, experts, k, renormalize, seed=0, num_warps
     ref_ids, ref_blocks = align_pairs(e.cpu(), experts, 16)
     assert torch.equal(blocks.cpu(), ref_blocks)
     assert torch.equal(ids.cpu(), ref_ids)  # NOTE: both keep the pairs' order within a group
-
-
-def check_router_logits(device, dtype, tokens, experts, hidden, configs=(None,), seed=0):
-    """router_logits equals F.linear in float64 (error within 1e-12 of |x| |w|^T), keeps an exact
-    tie exact, and a token's logits are the same bits alone and at any place in a batch, under
-    each launch config."""
-    import torch.nn.functional as F
-
-    from hsserve.kernels.moe_route import router_logits
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
-    w = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(device, dtype)
-    w[3] = w[1]  # NOTE: experts 1 and 3 tie on every token
-    want = F.linear(x.double(), w.double())
-    bound = 1e-12 * F.linear(x.double().abs(), w.double().abs())
-    first = router_logits(x, w, configs[0])
-    for config in configs:
-        got = router_logits(x, w, config)
-        assert got.dtype == torch.float64 and ((got - want).abs() <= bound).all()
-        assert torch.equal(got, first), config  # NOTE: the launch config never changes a bit
-        assert torch.equal(got[:, 1], got[:, 3])
-        for i in sorted({0, tokens // 2, tokens - 1}):
-            assert torch.equal(router_logits(x[i : i + 1], w, config)[0], got[i]), (config, i)

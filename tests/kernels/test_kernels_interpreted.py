@@ -127,7 +127,7 @@ def test_moe_grouped_gemm_matches_reference(tokens, experts, k, hidden, inter):
 
 
 def test_moe_grouped_gemm_launch_configs():
-    # decode-size and prefill-size tiles at either batch size (results alike)
+    # launches other than gemm_config's (narrow, shallow, fewer stages): results alike
     from hsserve.kernels.moe import GemmConfig
     from kernel_cases import check_moe
 
@@ -142,15 +142,6 @@ def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
     check_route_align("cpu", tokens, experts, k, renormalize)
-
-
-@pytest.mark.parametrize("tokens, dtype", [(1, torch.float32), (16, torch.bfloat16),
-                                           (40, torch.float32)])
-def test_moe_router_logits_float64_and_batch_independent(tokens, dtype):
-    from kernel_cases import check_router_logits
-
-    check_router_logits("cpu", dtype, tokens, 24, 200, configs=(None, (2, 2, 2), (4, 8, 4),
-                                                                (1, 16, 1)))
 
 
 @pytest.mark.parametrize("window", [None, 24])

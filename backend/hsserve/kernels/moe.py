@@ -104,20 +104,18 @@ class GemmConfig(NamedTuple):
 DECODE_PAIRS = 128  # NOTE: up to here the decode configs (a few rows per expert block)
 
 
-def gemm_config(pairs: int, n: int, k: int) -> GemmConfig:
-    """The launch of one grouped GEMM over `pairs` rows, N output columns (of each of gate and up
-    for gate_up), depth K. At decode sizes a block holds a row or two, so the weights' read is the
-    cost: narrow column tiles make many programs (batch 1: 8 blocks x N / BLOCK_N) to fill the
-    SMs, deep K tiles and stages keep loads in flight. Prefill keeps square 64 tiles."""
-    if pairs > DECODE_PAIRS:
-        return GemmConfig(64, 64, 4, 3)
-    return GemmConfig(16 if n <= 1024 else 32, 128, 4, 4)
+def gemm_config(pairs: int) -> GemmConfig:
+    """The launch of one grouped GEMM (gate_up or down) over `pairs` rows: 64 columns by 128 deep,
+    4 warps, the fastest of bench/moe_kernels.py's sweep for both GEMMs at batch 1 and 64
+    (Qwen3-30B-A3B). At decode sizes a block holds a row or two and reading the weights is the
+    cost: one more pipeline stage keeps loads in flight."""
+    return GemmConfig(64, 128, 4, 4 if pairs <= DECODE_PAIRS else 3)
 
 
 def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights, block_m,
                   config: GemmConfig | None):
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
-    cfg = config or gemm_config(pairs, n, x.shape[1])
+    cfg = config or gemm_config(pairs)
     grid = (len(block_expert), triton.cdiv(n, cfg.block_n))
     _grouped_gemm_kernel[grid](
         x, w, out, ids, block_expert, weights if weights is not None else out, pairs, w.shape[0],
@@ -138,7 +136,7 @@ def _sum_pairs_kernel(Y, OUT, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
     tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=cols < H)
 
 
-SUM_CONFIG = (256, 1)  # NOTE: (BLOCK_H, num_warps): 16-byte loads of bf16, a warp per program
+SUM_CONFIG = (256, 1)  # NOTE: (BLOCK_H, num_warps): a warp's 16-byte loads of bf16 (others: noise)
 
 
 def sum_pairs(y: torch.Tensor, k: int, config: tuple[int, int] | None = None) -> torch.Tensor:

@@ -1,13 +1,11 @@
-"""A mixture-of-experts layer's routing on CUDA, for the grouped GEMM of kernels/moe.py: the
-router's float64 logits (router_logits; its reference: F.linear in float64), then a decode
-step's routing and the pairs' alignment by expert in one program (route_align; its reference:
-MoE.route, then align_pairs).
+"""A decode step's expert routing and the pairs' alignment by expert in one program, for the
+grouped GEMM of kernels/moe.py (its reference: MoE.route, then align_pairs).
 
 At decode sizes the routing's softmax / top-k / renormalization and align_pairs' ~25 small torch
 ops cost more in launches than the experts' weights take to read
-(bench/README.md#mixture-of-experts-h200). route_align takes the logits [T, E] and writes each
-token's k experts and float32 weights, the pair ids grouped by expert (padding id T * k) and each
-block's expert: T * k pairs at most MAX_PAIRS.
+(bench/README.md#mixture-of-experts-h200). route_align takes the router's float64 logits [T, E]
+and writes each token's k experts and float32 weights, the pair ids grouped by expert (padding
+id T * k) and each block's expert: T * k pairs at most MAX_PAIRS.
 """
 
 from __future__ import annotations
@@ -17,64 +15,7 @@ import triton
 import triton.language as tl
 
 MAX_PAIRS = 128  # NOTE: the pairwise rank below is [pairs, pairs] in registers
-LANES = 64  # NOTE: a logit's partial sums (part of its arithmetic: fixed, never tuned)
-
-
-@triton.jit
-def _fold_pairs(acc):
-    """[a, b, 2n] -> [a, b, n]: lane i + lane i + 1, a sum of two (its order is no choice)."""
-    lo, hi = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1], acc.shape[2] // 2, 2)))
-    return lo + hi
-
-
-@triton.jit
-def _router_logits_kernel(X, W, OUT, tokens, num_experts, K, stride_x, stride_w,
-                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, LANES: tl.constexpr,
-                          LOG2_LANES: tl.constexpr):
-    """OUT[t, e] = sum_k X[t, k] W[e, k] in float64 over one block of tokens x experts."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    lane = tl.arange(0, LANES)
-    acc = tl.zeros((BLOCK_T, BLOCK_E, LANES), dtype=tl.float64)
-    for k0 in range(0, K, LANES):
-        ks = k0 + lane
-        x = tl.load(X + t[:, None] * stride_x + ks[None, :],
-                    mask=(t[:, None] < tokens) & (ks[None, :] < K), other=0.0).to(tl.float64)
-        w = tl.load(W + e[:, None] * stride_w + ks[None, :],
-                    mask=(e[:, None] < num_experts) & (ks[None, :] < K), other=0.0).to(tl.float64)
-        acc = tl.fma(x[:, None, :], w[None, :, :], acc)
-    # NOTE: each logit is lane-serial sums folded pairwise: the same operations in the same order
-    # whatever the tile, the batch or the row's place in it, so a near-tie between two experts
-    # cannot flip with the batch's composition (the point of routing in float64)
-    for _ in tl.static_range(LOG2_LANES):
-        acc = _fold_pairs(acc)
-    out = OUT + t[:, None] * num_experts + e[None, :]
-    tl.store(out, tl.reshape(acc, (BLOCK_T, BLOCK_E)),
-             mask=(t[:, None] < tokens) & (e[None, :] < num_experts))
-
-
-def router_config(tokens: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_E, num_warps) of router_logits: many small programs at decode sizes (the
-    router's rows spread over the SMs), larger tiles for prefill. Any choice gives the same bits."""
-    if tokens <= 16:
-        return 2, 2, 2
-    return 4, 8, 4
-
-
-def router_logits(x: torch.Tensor, w: torch.Tensor,
-                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [T, H] (any float dtype), router w [E, H] (any float dtype) -> float64 logits [T, E]:
-    both widened inside the kernel (exactly), no float64 copy of either needed."""
-    tokens, hidden = x.shape
-    num_experts = w.shape[0]
-    assert w.shape[1] == hidden and x.stride(1) == 1 and w.stride(1) == 1
-    block_t, block_e, warps = config or router_config(tokens)
-    out = torch.empty(tokens, num_experts, dtype=torch.float64, device=x.device)
-    grid = (triton.cdiv(tokens, block_t), triton.cdiv(num_experts, block_e))
-    _router_logits_kernel[grid](x, w, out, tokens, num_experts, hidden, x.stride(0), w.stride(0),
-                                BLOCK_T=block_t, BLOCK_E=block_e, LANES=LANES,
-                                LOG2_LANES=LANES.bit_length() - 1, num_warps=warps)
-    return out
+ROUTE_WARPS = 4  # NOTE: the fastest at decode sizes (bench/moe_kernels.py): 1 or 2 are slower
 
 
 @triton.jit
@@ -143,13 +84,6 @@ def _align(IDS, BLOCK_EXPERT, chosen, pair, pairs, num_experts, rows, num_blocks
     tl.store(BLOCK_EXPERT + b, tl.sum(before.to(tl.int64), 1), mask=b < num_blocks)
 
 
-def route_warps(tokens: int, k: int, num_experts: int) -> int:
-    """route_align's num_warps: one warp while the [pairs, experts] alignment is small (a serial
-    chain of reductions: shuffles only, no barrier), more as it grows."""
-    t_pad, k_pad = _pads(tokens, k)
-    return min(4, max(1, t_pad * k_pad * triton.next_power_of_2(num_experts) // 2048))
-
-
 def _pads(tokens: int, k: int) -> tuple[int, int]:
     """(T_PAD, K_PAD): powers of two, at least 16 pairs and 2 slots."""
     k_pad = max(2, triton.next_power_of_2(k))
@@ -159,7 +93,8 @@ def _pads(tokens: int, k: int) -> tuple[int, int]:
 def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
                 num_warps: int | None = None):
     """float64 router logits [T, E] -> (weights [T, k] float32, experts [T, k], pair ids grouped
-    by expert, each block's expert): MoE.route and align_pairs in one launch."""
+    by expert, each block's expert): MoE.route and align_pairs in one launch. num_warps: None
+    for ROUTE_WARPS."""
     tokens, num_experts = logits.shape
     pairs = tokens * k
     assert pairs <= MAX_PAIRS, "route_align is for decode sizes"
@@ -175,5 +110,5 @@ def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
         rows // block_m, K=k, RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts),
         T_PAD=t_pad, K_PAD=k_pad, R_PAD=triton.next_power_of_2(rows),
         B_PAD=max(16, triton.next_power_of_2(rows // block_m)), BLOCK_M=block_m,
-        num_warps=num_warps or route_warps(tokens, k, num_experts))
+        num_warps=num_warps or ROUTE_WARPS)
     return weights, experts, ids, block_expert

@@ -6,8 +6,7 @@ The experts run in kernels/moe.py (a grouped GEMM on CUDA, its torch reference e
 router's logits are computed in float64: a product's last bits may depend on how many rows it has
 (the BLAS picks its kernel by shape), and in float32 that could flip a near-tie between two
 experts with the batch's composition; an exact tie (identical router rows) stays exact and goes
-the same way whatever the batch. On CUDA the logits are kernels/moe_route.py's router_logits,
-whose bits do not depend on the batch at all.
+the same way whatever the batch.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts
-from hsserve.kernels.moe_route import MAX_PAIRS, route_align, router_logits
+from hsserve.kernels.moe_route import MAX_PAIRS, route_align
 from hsserve.models.spec import ModelSpec
 
 
@@ -30,20 +29,17 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
-        self._router64: torch.Tensor | None = None  # NOTE: off CUDA, made by prepare()
+        self._router64: torch.Tensor | None = None  # NOTE: made by prepare(), after loading
         # NOTE: Mixtral weighs an expert's output in float32, Qwen3-MoE in the model's dtype
         self.weigh_in_float = spec.family == "mixtral"
         self.reduce = None  # NOTE: tensor parallelism: each expert's rank share summed (Linear's)
 
     def prepare(self) -> None:
-        """After loading: the router's float64 copy for F.linear off CUDA (CUDA's kernel widens
-        the router's own rows as it reads them: the same values, a quarter of the bytes)."""
-        self._router64 = None if self.router.is_cuda else self.router.double()
+        """After loading: the router's float64 copy (made here, not inside a graph capture)."""
+        self._router64 = self.router.double()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's float64 logits [tokens, experts]."""
-        if x.is_cuda:
-            return router_logits(x, self.router)
         if self._router64 is None:
             self.prepare()
         return F.linear(x.double(), self._router64)
