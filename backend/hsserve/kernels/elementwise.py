@@ -292,6 +292,11 @@ def silu_mul(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None,
     """The Triton kernel on CUDA, the reference elsewhere."""
     if gate_up.is_cuda:
         return silu_mul_triton(gate_up, rms_of, eps)
+    if rms_of is None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+        from hsserve.kernels import cpu_ops
+
+        if cpu_ops.library() is not None:  # NOTE: one pass on the CPU
+            return cpu_ops.silu_mul(gate_up)
     return silu_mul_ref(gate_up, rms_of, eps)
 
 

@@ -52,6 +52,9 @@ class AttentionBatch:
     # NOTE: True where the Triton kernels run this batch (CUDA): decode rows then need only
     # block tables + lengths, and K/V writes skip negative slots (padding rows of a CUDA graph)
     kernels: bool = False
+    # NOTE: True where the CPU's compiled kernels (kernels/cpu_ops.py) run the decode rows and
+    # the K/V writes: decode rows then need only block tables + lengths, no mask
+    cpu_kernels: bool = False
     # NOTE: the torch path where layers differ in window (Gemma 3): the sliding layers' masks
     windowed: AttentionBatch | None = None
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from hsserve.models.attention_batch import AttentionBatch
 from hsserve.models.hidden_capture import HiddenCapture
-from hsserve.kernels import attend, store_kv
+from hsserve.kernels import attend, cpu_ops, store_kv
 from hsserve.kernels.elementwise import (add_rmsnorm, embed_rotary, rms_inverse_ref, rotary_,
                                          rotary_store_, silu_mul)
 from hsserve.kernels.gemv import gemv, gemv_fits, gemv_rotary_store, gemv_silu_mul
@@ -112,6 +112,9 @@ class Attention(nn.Module):
         h, kvh = self.num_heads, self.num_kv_heads
         if stream is not None:
             qkv = (qkv * rms_inverse_ref(stream, folded_eps)[:, :, None]).to(qkv.dtype)
+        if self.q_norm is None and batch.cpu_kernels and qkv.is_contiguous():
+            cpu_ops.rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping)
+            return qkv[:, :h]  # NOTE: one pass: rotary and the cache writes
         if self.q_norm is not None:
             q, k = self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])
             q, k = rope.apply(q), rope.apply(k)
