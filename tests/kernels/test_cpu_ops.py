@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hsserve.kernels import cpu_ops
-from hsserve.kernels.elementwise import silu_mul_ref
+from hsserve.kernels.elementwise import add_rmsnorm_ref, silu_mul_ref
 from hsserve.kernels.paged_attention_ref import paged_attention_ref, write_kv
 from hsserve.models.attention_batch import AttentionBatch
 from hsserve.models.rope import apply_rotary
@@ -94,6 +94,17 @@ def test_silu_mul_matches_reference():
     out = cpu_ops.silu_mul(x)
     ref = silu_mul_ref(x.double()).float()
     assert torch.allclose(out, ref, rtol=3e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_add_rmsnorm_matches_reference(residual):
+    x, r = torch.randn(6, 576) * 40, torch.randn(6, 576)
+    w = torch.randn(576)
+    out, total = cpu_ops.add_rmsnorm(x, r if residual else None, w, 1e-5)
+    ref, ref_total = add_rmsnorm_ref(x.double(), r.double() if residual else None, w.double(),
+                                     1e-5)
+    assert torch.allclose(out, ref.float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(total, (x + r) if residual else x)
 
 
 def test_build_is_keyed_and_reused(tmp_path):

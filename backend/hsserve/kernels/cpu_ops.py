@@ -1,7 +1,8 @@
 """The CPU's compiled kernels (kernels/cpu/ops.cpp) for the float32 decode path: paged decode
 attention straight from the cache blocks (no gather, no mask), rotary + the cache writes in one
-pass, SiLU-and-mul. Their torch references (paged_attention_ref, apply_rotary + write_kv,
-silu_mul_ref) stay the oracle and the path where the library cannot be built.
+pass, add + RMSNorm, SiLU-and-mul. Their torch references (paged_attention_ref, apply_rotary +
+write_kv, add_rmsnorm_ref, silu_mul_ref) stay the oracle and the path where the library cannot be
+built.
 
 The library is plain C++ (no torch headers: it builds in about a second) compiled with g++ for
 this machine (-march=native) into the cache dir, keyed by the source, the compiler flags and the
@@ -35,6 +36,7 @@ _SIGNATURES = {
     "hs_decode_attention": [_P, _L, _P, _L, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _I],
     "hs_rotary_store": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _P, _I],
     "hs_silu_mul": [_P, _P, _I, _I, _I],
+    "hs_add_rmsnorm": [_P, _P, _P, _P, _P, _I, _I, _F, _I],
 }
 
 
@@ -138,6 +140,21 @@ def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
     library().hs_rotary_store(qkv.data_ptr(), t, num_heads, num_kv_heads, d, cos.data_ptr(),
                               sin.data_ptr(), kv.data_ptr(), kv[0].numel(), slots.data_ptr(),
                               _threads())
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] (+ residual [T, N]), contiguous -> (RMSNorm of the sum, the sum), as
+    elementwise.add_rmsnorm_ref."""
+    t, n = x.shape
+    assert x.is_contiguous() and weight.is_contiguous()
+    assert residual is None or residual.is_contiguous()
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else x
+    library().hs_add_rmsnorm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                             weight.data_ptr(), out.data_ptr(), total.data_ptr(), t, n, eps,
+                             _threads())
+    return out, total
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

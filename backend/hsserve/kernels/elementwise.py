@@ -130,9 +130,13 @@ def _add_rmsnorm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_
 
 
 def add_rmsnorm(x, residual, weight, eps):
-    """The Triton kernel on CUDA, the reference elsewhere."""
+    """The Triton kernel on CUDA, the compiled one on the CPU (float32 rows), else the reference."""
     if x.is_cuda:
         return add_rmsnorm_triton(x, residual, weight, eps)
+    if _cpu_kernel_takes(x, residual, weight) and x.dim() == 2:
+        from hsserve.kernels import cpu_ops
+
+        return cpu_ops.add_rmsnorm(x, residual, weight, eps)  # NOTE: one pass on the CPU
     return add_rmsnorm_ref(x, residual, weight, eps)
 
 
@@ -289,15 +293,23 @@ def _silu_mul_kernel(X, OUT, S, stride_x, stride_o, stride_s, n, n_s, eps, BLOCK
 
 def silu_mul(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None,
              eps: float = 0.0) -> torch.Tensor:
-    """The Triton kernel on CUDA, the reference elsewhere."""
+    """The Triton kernel on CUDA, the compiled one on the CPU (float32), else the reference."""
     if gate_up.is_cuda:
         return silu_mul_triton(gate_up, rms_of, eps)
-    if rms_of is None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+    if rms_of is None and _cpu_kernel_takes(gate_up):
         from hsserve.kernels import cpu_ops
 
-        if cpu_ops.library() is not None:  # NOTE: one pass on the CPU
-            return cpu_ops.silu_mul(gate_up)
+        return cpu_ops.silu_mul(gate_up)  # NOTE: one pass on the CPU
     return silu_mul_ref(gate_up, rms_of, eps)
+
+
+def _cpu_kernel_takes(*tensors: torch.Tensor | None) -> bool:
+    """float32 contiguous tensors (None: absent) and the CPU kernels' library loaded."""
+    from hsserve.kernels import cpu_ops
+
+    present = [t for t in tensors if t is not None]
+    return (all(t.dtype == torch.float32 and t.is_contiguous() for t in present)
+            and cpu_ops.library() is not None)
 
 
 def silu_mul_triton(gate_up: torch.Tensor, rms_of: torch.Tensor | None = None,

@@ -163,6 +163,26 @@ void hs_rotary_store(float* qkv, int T, int H, int KVH, int D, const float* cos,
   }
 }
 
+// x [T, N] (+ residual) -> out = w * (s / sqrt(mean(s^2) + eps)), s = x + residual (written to
+// sum when there is a residual): the add and the norm in one pass over each row.
+void hs_add_rmsnorm(const float* x, const float* residual, const float* w, float* out, float* sum,
+                    int T, int N, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
+  for (int t = 0; t < T; ++t) {
+    const float* xr = x + (int64_t)t * N;
+    const float* s = xr;
+    if (residual != nullptr) {
+      float* sr = sum + (int64_t)t * N;
+      const float* rr = residual + (int64_t)t * N;
+      for (int i = 0; i < N; ++i) sr[i] = xr[i] + rr[i];
+      s = sr;
+    }
+    const float inv = 1.f / std::sqrt(dot(s, s, N) / N + eps);
+    float* o = out + (int64_t)t * N;
+    for (int i = 0; i < N; ++i) o[i] = w[i] * (s[i] * inv);
+  }
+}
+
 // gate_up [T, 2N] -> out [T, N] = silu(gate) * up
 void hs_silu_mul(const float* gate_up, float* out, int T, int N, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
