@@ -61,7 +61,17 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-constexpr int MAX_HEADS = 64, MAX_DIM = 256, CHUNK = 32;
+constexpr int MAX_HEADS = 64, MAX_DIM = 256, CHUNK = 32, AHEAD = 6;
+
+// The cache lines of key j's heads [kv0, kv1), fetched ahead: its block is anywhere in the cache,
+// where the hardware's stream prefetcher cannot guess it.
+inline void prefetch_row(const float* base, const int32_t* table, int j, int kv0, int kv1, int KVH,
+                         int D, int BS, int64_t block_elems) {
+  const char* p = reinterpret_cast<const char*>(
+      base + table[j / BS] * block_elems + ((int64_t)(j % BS) * KVH + kv0) * D);
+  const int bytes = (kv1 - kv0) * D * (int)sizeof(float);
+  for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
 
 // One sequence, KV heads [kv0, kv1) with their query heads (G each): online softmax over the keys
 // in chunks of CHUNK. A key's heads are adjacent in the cache, so each chunk's K (then V) rows
@@ -81,6 +91,7 @@ void attend_seq(const float* q, const float* kc, const float* vc, const int32_t*
     for (int i = 0; i < n; ++i) {
       const int j = j0 + i;
       const float* kp = kc + table[j / BS] * block_elems + (int64_t)(j % BS) * KVH * D;
+      if (j + AHEAD < len) prefetch_row(kc, table, j + AHEAD, kv0, kv1, KVH, D, BS, block_elems);
       for (int h = 0; h < nh; ++h) {
         float x = dot(q + (int64_t)(h0 + h) * D, kp + (int64_t)(kv0 + h / G) * D, D) * scale;
         if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
@@ -100,6 +111,7 @@ void attend_seq(const float* q, const float* kc, const float* vc, const int32_t*
     for (int i = 0; i < n; ++i) {
       const int j = j0 + i;
       const float* vp = vc + table[j / BS] * block_elems + (int64_t)(j % BS) * KVH * D;
+      if (j + AHEAD < len) prefetch_row(vc, table, j + AHEAD, kv0, kv1, KVH, D, BS, block_elems);
       for (int h = 0; h < nh; ++h) {
         const float p = s[h][i];
         const float* v = vp + (int64_t)(kv0 + h / G) * D;
