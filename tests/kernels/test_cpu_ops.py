@@ -107,6 +107,24 @@ def test_add_rmsnorm_matches_reference(residual):
     assert torch.equal(total, (x + r) if residual else x)
 
 
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")])
+def test_narrower_vector_paths_agree(flags, tmp_path, monkeypatch):
+    # the AVX2 and plain C++ dot products (machines without AVX-512) against the reference
+    try:
+        lib = cpu_ops.load(cpu_ops.build(str(tmp_path), flags))
+    except RuntimeError as e:
+        pytest.skip(f"this compiler cannot target {flags}: {e}")
+    monkeypatch.setattr(cpu_ops, "library", lambda: lib)
+    kv, tables, lens = _paged(4, 2, 80, 16, [1, 16, 40, 70], seed=5)
+    q = torch.randn(4, 6, 80)
+    ref = _reference(q, kv, tables, lens, 0.1, None, None)
+    out = cpu_ops.decode_attention(q, kv, tables, lens, 0.1, None, None)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    x, w = torch.randn(3, 100), torch.randn(100)
+    normed, _ = cpu_ops.add_rmsnorm(x, None, w, 1e-6)
+    assert torch.allclose(normed, add_rmsnorm_ref(x, None, w, 1e-6)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_build_is_keyed_and_reused(tmp_path):
     path = cpu_ops.build(str(tmp_path))
     assert path.startswith(str(tmp_path)) and cpu_ops.build(str(tmp_path)) == path

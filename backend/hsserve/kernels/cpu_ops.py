@@ -49,18 +49,20 @@ def _cpu_key() -> str:
         return ""
 
 
-def library_path(cache_dir: str = "") -> str:
+def library_path(cache_dir: str = "", extra_flags: tuple[str, ...] = ()) -> str:
     from hsserve.models.default_model import default_cache_dir
 
+    flags = " ".join(FLAGS + list(extra_flags))
     with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + _cpu_key().encode())
+        key = hashlib.sha256(f.read() + flags.encode() + _cpu_key().encode())
     return os.path.join(cache_dir or default_cache_dir(), "cpu_ops",
                         f"ops-{key.hexdigest()[:16]}.so")
 
 
-def build(cache_dir: str = "") -> str:
-    """Compile the library once (an atomic rename: concurrent builders do not collide)."""
-    path = library_path(cache_dir)
+def build(cache_dir: str = "", extra_flags: tuple[str, ...] = ()) -> str:
+    """Compile the library once (an atomic rename: concurrent builders do not collide).
+    extra_flags: e.g. -mno-avx512f, the narrower vector paths (tests)."""
+    path = library_path(cache_dir, extra_flags)
     if os.path.exists(path):
         return path
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -70,8 +72,8 @@ def build(cache_dir: str = "") -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        subprocess.run([cxx, *FLAGS, "-o", tmp, SOURCE], check=True, capture_output=True,
-                       text=True)
+        subprocess.run([cxx, *FLAGS, *extra_flags, "-o", tmp, SOURCE], check=True,
+                       capture_output=True, text=True)
         os.replace(tmp, path)
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"building {SOURCE} failed: {e.stderr[-2000:]}") from e
@@ -85,22 +87,25 @@ def library() -> ctypes.CDLL | None:
     """The loaded library, built on first use; None (logged once) where it cannot be built or
     HSSERVE_CPU_KERNELS=0: the torch path then runs."""
     global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("HSSERVE_CPU_KERNELS", "1") == "0":
-            return None
-        try:
-            lib = ctypes.CDLL(build())
-        except (OSError, RuntimeError) as e:
-            log.warning("CPU kernels unavailable, using the torch path: %s", e)
-            return None
-        for name, args in _SIGNATURES.items():
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
-        _lib = lib
+    if _tried:  # NOTE: the hot path (every layer's call), without the lock
         return _lib
+    with _lock:
+        if not _tried and os.environ.get("HSSERVE_CPU_KERNELS", "1") != "0":
+            try:
+                _lib = load(build())
+            except (OSError, RuntimeError) as e:
+                log.warning("CPU kernels unavailable, using the torch path: %s", e)
+        _tried = True  # NOTE: last: a reader without the lock sees the final _lib
+        return _lib
+
+
+def load(path: str) -> ctypes.CDLL:
+    """A built library, its functions typed."""
+    lib = ctypes.CDLL(path)
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -43,7 +43,8 @@ inline float dot(const float* a, const float* b, int n) {
 #endif
 
 // exp(x) within ~1 ulp for the loops here: branch-free (so the compiler vectorizes it, where
-// libm's expf stays scalar); x below -87 gives 0 or a subnormal-free tiny value, as softmax needs.
+// libm's expf stays scalar); below -87.3 it gives the smallest normal float (no subnormals), a
+// softmax's 0.
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.33654f), 88.37626f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
