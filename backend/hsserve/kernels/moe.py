@@ -37,6 +37,11 @@ def experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return out
 
 
+def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the grouped ids at most: the pairs, each used expert's group padded to block_m."""
+    return -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+
+
 def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int):
     """-> (pair ids grouped by expert, each group padded to block_m with the id `pairs`; the
     expert of each block, num_experts past the last used one). Sizes depend on the shapes only."""
@@ -50,7 +55,7 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int):
     grouped = flat[order]
     first = counts.cumsum(0) - counts  # NOTE: each expert's first index in `order`
     dest = ends[grouped] - padded[grouped] + torch.arange(pairs, device=flat.device) - first[grouped]
-    rows = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+    rows = aligned_rows(pairs, num_experts, block_m)
     ids = torch.full((rows,), pairs, dtype=torch.int64, device=flat.device)
     ids[dest] = order
     starts = torch.arange(0, rows, block_m, device=flat.device)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hsserve.kernels.moe import aligned_rows
+
 MAX_PAIRS = 128  # NOTE: the pairwise rank below is [pairs, pairs] in registers
 ROUTE_WARPS = 4  # NOTE: the fastest at decode sizes (bench/moe_kernels.py): 1 or 2 are slower
 
@@ -98,7 +100,7 @@ def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
     tokens, num_experts = logits.shape
     pairs = tokens * k
     assert pairs <= MAX_PAIRS, "route_align is for decode sizes"
-    rows = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+    rows = aligned_rows(pairs, num_experts, block_m)
     dev = logits.device
     weights = torch.empty(tokens, k, dtype=torch.float32, device=dev)
     experts = torch.empty(tokens, k, dtype=torch.int64, device=dev)
