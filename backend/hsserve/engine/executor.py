@@ -48,9 +48,8 @@ class Executor:
         self.layer_window = next((w for w in model.spec.layer_windows if w is not None), None)
         self.dtype = model.embed.dtype
         self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
-        spec = model.spec
         self.cpu_kernels = self.device.type == "cpu" and cpu_ops.supports(
-            self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            self.dtype, model.spec.num_heads, model.spec.head_dim)
         self.group = model.spec.num_heads // model.spec.num_kv_heads
         self.eos_ids = frozenset(model.spec.eos_token_ids)
         self._sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)

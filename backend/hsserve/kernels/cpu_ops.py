@@ -108,7 +108,7 @@ def load(path: str) -> ctypes.CDLL:
     return lib
 
 
-def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+def supports(dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
     """The kernels' shapes: float32, <= 64 query heads, head_dim even and <= 256."""
     return (dtype == torch.float32 and num_heads <= 64 and head_dim <= 256
             and head_dim % 2 == 0 and library() is not None)
