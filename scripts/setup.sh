@@ -28,7 +28,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # NOTE: nginx for the scale-out rehearsal (tests/integration/test_scale_out.py); g++ builds the
-# CPU kernels (backend/hsserve/kernels/cpu/ops.cpp)
+# CPU kernels (backend/hsserve/kernels/cpu/*.cpp)
 missing=""
 if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then missing="nginx"; fi
 if ! command -v g++ >/dev/null 2>&1; then missing="$missing g++"; fi

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hsserve.kernels import cpu_ops
 from hsserve.kernels.elementwise import add_rmsnorm_ref, silu_mul_ref
@@ -123,6 +124,57 @@ def test_narrower_vector_paths_agree(flags, tmp_path, monkeypatch):
     x, w = torch.randn(3, 100), torch.randn(100)
     normed, _ = cpu_ops.add_rmsnorm(x, None, w, 1e-6)
     assert torch.allclose(normed, add_rmsnorm_ref(x, None, w, 1e-6)[0], rtol=1e-5, atol=1e-5)
+    x, w, b = torch.randn(5, 70), torch.randn(100, 70), torch.randn(100)
+    y = cpu_ops.gemm(x, cpu_ops.pack_weight(w), 100, b)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 5, 3), (8, 96, 64), (13, 100, 70), (32, 960, 576),
+                                        (40, 49, 1536), (0, 10, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_linear(rows, n, k, bias):
+    # N past a panel's 48 columns, row blocks of 8 with a remainder, K of every layer shape
+    g = torch.Generator().manual_seed(rows + n)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g) if bias else None
+    wide = torch.randn(rows, k + 5, generator=g)
+    x = wide[:, 2:k + 2]  # NOTE: rows strided past K: read in place
+    packed = cpu_ops.pack_weight(w)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        y = cpu_ops.gemm(x, packed, n, b)
+        ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+        assert y.shape == (rows, n)
+        if rows:
+            assert (y - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max())
+    torch.set_num_threads(2)
+
+
+def test_gemm_rows_do_not_depend_on_the_batch():
+    # each output is one FMA chain over k: a row alone and in any batch gives the same bits
+    w, x = torch.randn(200, 96), torch.randn(32, 96)
+    packed = cpu_ops.pack_weight(w)
+    full = cpu_ops.gemm(x, packed, 200, None)
+    for i, rows in ((0, 1), (3, 5), (9, 23)):
+        assert torch.equal(cpu_ops.gemm(x[i:i + rows], packed, 200, None), full[i:i + rows])
+
+
+def test_pack_for_cpu_packs_for_the_compiled_product():
+    from hsserve.models.linear import Linear, pack_for_cpu
+
+    model = torch.nn.Module()
+    model.a, model.b = Linear(32, 64), Linear(64, 16, bias=True)
+    for m in (model.a, model.b):
+        torch.nn.init.normal_(m.weight)
+    torch.nn.init.normal_(model.b.bias)
+    dense = {m: m.weight.detach().clone() for m in (model.a, model.b)}
+    assert pack_for_cpu(model)
+    x = torch.randn(3, 32)
+    for m in (model.a, model.b):
+        assert m.weight is None and m.compiled is not None, "the packed copy replaces the weight"
+    h = model.a(x)
+    torch.testing.assert_close(h, F.linear(x, dense[model.a]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.b(h), F.linear(h, dense[model.b], model.b.bias),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_build_is_keyed_and_reused(tmp_path):

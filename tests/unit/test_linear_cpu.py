@@ -1,6 +1,7 @@
-"""CPU linears: the oneDNN-packed weight for several rows, the dense one (MKL) for one row where
-it is kept, MKL's packed one for 17-32 rows where made, and pack_for_cpu's choices (by the CPU's
-vendor and the model's size, never by timing)."""
+"""CPU linears without the compiled product (its library unavailable; the compiled one is tested in
+tests/kernels/test_cpu_ops.py): the oneDNN-packed weight for several rows, the dense one (MKL)
+for one row where it is kept, MKL's packed one for 17-32 rows where made, and pack_for_cpu's
+choices (by the CPU's vendor and the model's size, never by timing)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _model() -> nn.Module:
 @pytest.mark.parametrize("keep", [True, False])
 def test_pack_for_cpu_keeps_or_drops_the_dense_weights_as_told(keep):
     model = _model()
-    assert pack_for_cpu(model, keep_dense=keep)
+    assert pack_for_cpu(model, keep_dense=keep, compiled=False)
     for m in [*model.a, model.b]:
         assert m.packed is not None
         assert (m.weight is not None) == keep
@@ -64,7 +65,7 @@ def test_pack_for_cpu_keeps_or_drops_the_dense_weights_as_told(keep):
 def test_pack_for_cpu_keeps_dense_weights_where_mkl_is_preferred(monkeypatch, intel):
     monkeypatch.setattr(linear_mod, "mkl_gemv_preferred", lambda: intel)
     model = _model()
-    assert pack_for_cpu(model)
+    assert pack_for_cpu(model, compiled=False)
     assert all((m.weight is not None) == intel for m in [*model.a, model.b])
 
 
@@ -72,7 +73,7 @@ def test_models_too_large_to_hold_twice_keep_no_dense_weight(monkeypatch):
     monkeypatch.setattr(linear_mod, "_KEEP_DENSE_MAX_BYTES", 1000)
     monkeypatch.setattr(linear_mod, "mkl_gemv_preferred", lambda: True)
     model = _model()
-    assert pack_for_cpu(model)
+    assert pack_for_cpu(model, compiled=False)
     assert all(m.weight is None for m in [*model.a, model.b])
 
 
@@ -115,12 +116,12 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_padded_with_it():
 def test_pack_for_cpu_adds_mkl_packs_on_intel_for_small_models(monkeypatch, intel):
     monkeypatch.setattr(linear_mod, "mkl_gemv_preferred", lambda: intel)
     model = _model()
-    assert pack_for_cpu(model)
+    assert pack_for_cpu(model, compiled=False)
     want = intel and linear_mod._mkl_packing_available()
     assert all((m.mkl_packed is not None) == want for m in [*model.a, model.b])
     monkeypatch.setattr(linear_mod, "_MKL_PACK_MAX_BYTES", 1000)
     model = _model()
-    assert pack_for_cpu(model)
+    assert pack_for_cpu(model, compiled=False)
     assert all(m.mkl_packed is None for m in [*model.a, model.b]), "too large: no MKL packs"
 
 

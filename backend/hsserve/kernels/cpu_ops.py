@@ -1,8 +1,8 @@
-"""The CPU's compiled kernels (kernels/cpu/ops.cpp) for the float32 decode path: paged decode
-attention straight from the cache blocks (no gather, no mask), rotary + the cache writes in one
-pass, add + RMSNorm, SiLU-and-mul. Their torch references (paged_attention_ref, apply_rotary +
-write_kv, add_rmsnorm_ref, silu_mul_ref) stay the oracle and the path where the library cannot be
-built.
+"""The CPU's compiled kernels (kernels/cpu/*.cpp) for the float32 path: paged decode attention
+straight from the cache blocks (no gather, no mask), rotary + the cache writes in one pass, add +
+RMSNorm, SiLU-and-mul, and the linears' product on weights packed for it (gemm.cpp). Their torch
+references (paged_attention_ref, apply_rotary + write_kv, add_rmsnorm_ref, silu_mul_ref, F.linear)
+stay the oracle and the path where the library cannot be built.
 
 The library is plain C++ (no torch headers: it builds in about a second) compiled with g++ for
 this machine (-march=native) into the cache dir, keyed by the source, the compiler flags and the
@@ -25,7 +25,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "cpu", "ops.cpp")
+_DIR = os.path.join(os.path.dirname(__file__), "cpu")
+SOURCES = [os.path.join(_DIR, name) for name in ("attention.cpp", "elementwise.cpp", "gemm.cpp")]
+HEADERS = [os.path.join(_DIR, "common.h")]
+PANEL = 48  # NOTE: gemm.cpp's NR: a packed weight's panel width
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -37,6 +40,8 @@ _SIGNATURES = {
     "hs_rotary_store": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _P, _I],
     "hs_silu_mul": [_P, _P, _I, _I, _I],
     "hs_add_rmsnorm": [_P, _P, _P, _P, _P, _I, _I, _F, _I],
+    "hs_gemm_pack": [_P, _P, _I, _I, _I],
+    "hs_gemm": [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I],
 }
 
 
@@ -52,9 +57,10 @@ def _cpu_key() -> str:
 def library_path(cache_dir: str = "", extra_flags: tuple[str, ...] = ()) -> str:
     from hsserve.models.default_model import default_cache_dir
 
-    flags = " ".join(FLAGS + list(extra_flags))
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + flags.encode() + _cpu_key().encode())
+    key = hashlib.sha256(" ".join(FLAGS + list(extra_flags)).encode() + _cpu_key().encode())
+    for source in SOURCES + HEADERS:
+        with open(source, "rb") as f:
+            key.update(f.read())
     return os.path.join(cache_dir or default_cache_dir(), "cpu_ops",
                         f"ops-{key.hexdigest()[:16]}.so")
 
@@ -72,11 +78,11 @@ def build(cache_dir: str = "", extra_flags: tuple[str, ...] = ()) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        subprocess.run([cxx, *FLAGS, *extra_flags, "-o", tmp, SOURCE], check=True,
+        subprocess.run([cxx, *FLAGS, *extra_flags, "-o", tmp, *SOURCES], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, path)
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"building {SOURCE} failed: {e.stderr[-2000:]}") from e
+        raise RuntimeError(f"building {SOURCES} failed: {e.stderr[-2000:]}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -169,3 +175,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, two_n // 2, dtype=gate_up.dtype)
     library().hs_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_n // 2, _threads())
     return out
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] float32 -> gemm's packed copy (panels of PANEL columns, zero-padded)."""
+    n, k = w.shape
+    w = w.contiguous()
+    packed = torch.empty(-(-n // PANEL) * k * PANEL, dtype=torch.float32)
+    library().hs_gemm_pack(w.data_ptr(), packed.data_ptr(), n, k, _threads())
+    return packed
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 -> x W^T (+ bias) [..., n], W packed by pack_weight."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        library().hs_gemm(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                          bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k,
+                          _threads())
+    return y.view(*x.shape[:-1], n)

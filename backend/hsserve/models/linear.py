@@ -1,16 +1,20 @@
-"""Linear: y = x W^T (+ b), with weights prepacked for oneDNN on the CPU.
+"""Linear: y = x W^T (+ b), with weights packed once for the CPU's product.
 
-On x86 CPUs torch's default fp32 GEMM goes through MKL, which runs small-M products (decode
-batches) far below the core's FMA rate; oneDNN's packed-weight linear (the op torch's own
-compiler uses for frozen CPU graphs) is faster at M = 2..32 (bench/README.md#cpu-mkl-packed-linears). The packed copy replaces the dense weight; the torch fallback (F.linear) is used
-elsewhere and as the oracle. One row (batch-1 decode) is a matrix-vector product, where MKL's
-GEMV is the faster one on Intel CPUs and the slower one on AMD (where MKL takes generic paths): on Intel, for models whose
-linears are small enough to hold twice, the dense weight stays for one-row inputs. Decided by
-the CPU's vendor, never by timing, so that every process on a machine computes the same bits
-(the server's engine and a client's reference engine are compared exactly in the tests).
-MKL also packs a weight for one row count (at 32 rows on Intel faster than oneDNN's; any other
-row count falls back to the dense product), so on Intel, for small models (its packed copy
-takes 2-9x the weight), 17-32-row inputs are padded to 32 rows and take it.
+On the CPU (float32) the product is our compiled one (kernels/cpu/gemm.cpp) where its library
+builds: 1.4-2x oneDNN's packed linear at 1-8 rows and ~1.2x at 32, and on par for prefill
+(bench/README.md#cpu-compiled-gemm); each row's bits are the same whatever the batch. Where the
+library cannot be built, torch's: x86's fp32 GEMM goes through MKL, which runs small-M products
+(decode batches) far below the core's FMA rate; oneDNN's packed-weight linear (the op torch's own
+compiler uses for frozen CPU graphs) is faster at M = 2..32 (bench/README.md#cpu-mkl-packed-linears).
+Either packed copy replaces the dense weight; the torch fallback (F.linear) is used elsewhere and
+as the oracle. Without the library, one row (batch-1 decode) is a matrix-vector product, where
+MKL's GEMV is the faster one on Intel CPUs and the slower one on AMD (where MKL takes generic
+paths): on Intel, for models whose linears are small enough to hold twice, the dense weight stays
+for one-row inputs. Decided by the CPU's vendor, never by timing, so that every process on a
+machine computes the same bits (the server's engine and a client's reference engine are compared
+exactly in the tests). MKL also packs a weight for one row count (at 32 rows on Intel faster than
+oneDNN's; any other row count falls back to the dense product), so on Intel, for small models
+(its packed copy takes 2-9x the weight), 17-32-row inputs are padded to 32 rows and take it.
 On CUDA a few rows (decode at small batch) go through our GEMV kernel (kernels/gemv.py), which
 beats cuBLAS there; more rows through cuBLAS.
 """
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hsserve.kernels import cpu_ops
 from hsserve.kernels.gemv import gemv, gemv_fits
 
 _PACK_BATCH_HINT = 32  # NOTE: best across M = 1..2048 (bench/README.md#cpu-mkl-packed-linears)
@@ -52,6 +57,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
         self.mkl_packed: torch.Tensor | None = None  # NOTE: MKL's, for _MKL_ROWS rows
+        self.compiled: torch.Tensor | None = None  # NOTE: gemm.cpp's packed weight, its N below
+        self.compiled_rows = 0
         # NOTE: row-parallel (tensor parallelism): sums a rank's partial product over the ranks
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -64,6 +71,9 @@ class Linear(nn.Module):
         return self._product(x, into)
 
     def _product(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        if self.compiled is not None:
+            y = cpu_ops.gemm(x, self.compiled, self.compiled_rows, self.bias)
+            return y if into is None else into.add_(y)
         if self.mkl_packed is not None and _MKL_MIN_ROWS <= x.numel() // x.shape[-1] <= _MKL_ROWS:
             y = self._mkl_rows(x)
             return y if into is None else into.add_(y)
@@ -92,12 +102,17 @@ class Linear(nn.Module):
         y = torch.ops.mkl._mkl_linear(x2, self.mkl_packed, self.weight, self.bias, _MKL_ROWS)
         return y[:rows].view(*x.shape[:-1], y.shape[-1])
 
-    def pack(self, keep_dense: bool = False, mkl_rows: bool = False) -> None:
-        """Add a oneDNN-packed copy of the weight (CPU, float32), used for inputs of more than one
-        row, or for all of them once the dense weight is dropped (keep_dense False); with
-        mkl_rows (which keeps the dense weight: MKL's product needs it), also MKL's packed copy,
-        used for _MKL_MIN_ROWS.._MKL_ROWS rows."""
+    def pack(self, keep_dense: bool = False, mkl_rows: bool = False, compiled: bool = False) -> None:
+        """With compiled, replace the weight (CPU, float32) by gemm.cpp's packed copy, used for
+        every input. Else add a oneDNN-packed copy, used for inputs of more than one row, or for
+        all of them once the dense weight is dropped (keep_dense False); with mkl_rows (which
+        keeps the dense weight: MKL's product needs it), also MKL's packed copy, used for
+        _MKL_MIN_ROWS.._MKL_ROWS rows."""
         w = self.weight.detach()
+        if compiled:
+            self.compiled, self.compiled_rows = cpu_ops.pack_weight(w), w.shape[0]
+            self.weight = None
+            return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
         if mkl_rows:
             self.mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _MKL_ROWS)
@@ -119,16 +134,25 @@ def mkl_gemv_preferred() -> bool:
 
 
 def pack_for_cpu(model: nn.Module, keep_dense: bool | None = None,
-                 mkl_rows: bool | None = None) -> bool:
-    """Pack every Linear of a float32 CPU model, and keep the dense weights for one-row inputs
-    when keep_dense (None: where mkl_gemv_preferred and all the linears take at most
+                 mkl_rows: bool | None = None, compiled: bool | None = None) -> bool:
+    """Pack every Linear of a float32 CPU model: for the compiled product where `compiled`
+    (None: where its library loads), else for oneDNN, keeping the dense weights for one-row
+    inputs when keep_dense (None: where mkl_gemv_preferred and all the linears take at most
     _KEEP_DENSE_MAX_BYTES); with mkl_rows also MKL's packed weights for 17-32 rows, which need
     the dense ones (None: where the dense weights are kept and the linears take at most
     _MKL_PACK_MAX_BYTES). False (nothing done) where packing does not apply."""
     p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype != torch.float32 or not _packing_available():
+    if p.device.type != "cpu" or p.dtype != torch.float32:
         return False
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None]
+    if compiled is None:
+        compiled = cpu_ops.library() is not None
+    if compiled:
+        for m in linears:
+            m.pack(compiled=True)
+        return True
+    if not _packing_available():
+        return False
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     intel = mkl_gemv_preferred()  # NOTE: read once (both defaults ask it)
     if keep_dense is None:

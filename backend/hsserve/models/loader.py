@@ -175,7 +175,7 @@ def load_model(folder: str, dtype_name: str, device: torch.device, load_format: 
     if fold_norms_on(device) and model.fold_norms():
         log.info("norm weights folded into qkv / gate_up")
     if pack_for_cpu(model):
-        log.info("CPU linears packed for oneDNN")
+        log.info("CPU linears packed (the compiled product where its library loads, else oneDNN)")
     return model
 
 
