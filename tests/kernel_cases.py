@@ -126,8 +126,10 @@ def _rotary_store_expected(scaled, heads, kv_heads, cos, sin, kv, slots):
     return rotated[:, :heads], want_kv
 
 
-def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0, rms=False):
-    """rms: q, k, v scaled first by the 1 / rms of a stream row per token (folded norm)."""
+def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0, rms=False,
+                       qk_norm=False):
+    """rms: q, k, v scaled first by the 1 / rms of a stream row per token (folded norm); qk_norm:
+    each q and k head RMS-normed (its own weight for q and for k) before the rotation."""
     from hsserve.kernels.elementwise import rms_inverse_ref, rotary_store_
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -140,9 +142,16 @@ def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0, 
     scaled = qkv.double()
     if rms:
         scaled = scaled * rms_inverse_ref(stream.double(), 1e-6)[:, :, None]
+    norms = None
+    if qk_norm:
+        qw, kw = (1 + 0.3 * torch.randn(2, head_dim, generator=g)).to(device, dtype)
+        norms = (qw, kw, 1e-6)
+        for w, lo, hi in ((qw, 0, heads), (kw, heads, heads + kv_heads)):
+            part = scaled[:, lo:hi]
+            part *= torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     want_q, want_kv = _rotary_store_expected(scaled, heads, kv_heads, cos, sin, kv, slots)
     keep = slots >= 0
-    rotary_store_(qkv, heads, kv_heads, cos, sin, kv, slots, stream, 1e-6)
+    rotary_store_(qkv, heads, kv_heads, cos, sin, kv, slots, stream, 1e-6, qk_norm=norms)
     _close(qkv[:, :heads], want_q, dtype)
     _close(kv, want_kv, dtype)
     untouched = torch.ones(2 * 4 * 16, dtype=torch.bool)

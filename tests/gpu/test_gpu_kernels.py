@@ -54,8 +54,8 @@ def test_elementwise_kernels_match_reference(dtype, hidden, inter):
 def test_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim):
     from kernel_cases import check_rotary_store
 
-    for rms in (False, True):
-        check_rotary_store("cuda", dtype, heads, kv_heads, head_dim, rms=rms)
+    for rms, qk_norm in ((False, False), (True, False), (False, True)):
+        check_rotary_store("cuda", dtype, heads, kv_heads, head_dim, rms=rms, qk_norm=qk_norm)
 
 
 

@@ -47,11 +47,11 @@ def test_elementwise_kernels_match_reference():
     check_elementwise("cpu", torch.float32)
 
 
-@pytest.mark.parametrize("rms", [False, True])
-def test_rotary_store_matches_reference(rms):
+@pytest.mark.parametrize("rms, qk_norm", [(False, False), (True, False), (False, True)])
+def test_rotary_store_matches_reference(rms, qk_norm):
     from kernel_cases import check_rotary_store
 
-    check_rotary_store("cpu", torch.float32, rms=rms)
+    check_rotary_store("cpu", torch.float32, rms=rms, qk_norm=qk_norm)
 
 
 @pytest.mark.parametrize("rows, n, k", [(1, 96, 64), (1, 40, 200), (1, 7, 33)])

@@ -161,10 +161,12 @@ def add_rmsnorm_triton(x, residual, weight, eps):
 
 
 @triton.jit
-def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c, scale,
-                  COUNT: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
-    """Heads h0..h0+COUNT-1 of token t times `scale`, rotated (float32 math, one rounding): two
-    [PAD, HALF] halves and their row mask."""
+def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c, scale, NW, eps,
+                  COUNT: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr,
+                  NORM: tl.constexpr):
+    """Heads h0..h0+COUNT-1 of token t times `scale`, each RMS-normed by the weight NW [2 HALF]
+    when NORM (Qwen3's q/k norm), rotated (float32 math, one rounding): two [PAD, HALF] halves
+    and their row mask."""
     j = tl.arange(0, PAD)
     i = tl.arange(0, HALF)
     rows = (j < COUNT)[:, None]
@@ -174,6 +176,10 @@ def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c, scale,
     c = tl.load(COS + t * stride_c + i)[None, :]
     s = tl.load(SIN + t * stride_c + i)[None, :]
     a, b = x1.to(tl.float32) * scale, x2.to(tl.float32) * scale
+    if NORM:
+        inv = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        a = a * inv * tl.load(NW + i).to(tl.float32)[None, :]
+        b = b * inv * tl.load(NW + HALF + i).to(tl.float32)[None, :]
     return (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype), rows, src
 
 
@@ -181,8 +187,8 @@ def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c, scale,
 def _rotary_kernel(X, COS, SIN, stride_t, stride_h, stride_c,
                    HEADS: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0)
-    r1, r2, rows, src = _rotate_heads(X, COS, SIN, t, 0, stride_t, stride_h, stride_c, 1.0,
-                                      HEADS, PAD, HALF)
+    r1, r2, rows, src = _rotate_heads(X, COS, SIN, t, 0, stride_t, stride_h, stride_c, 1.0, X,
+                                      0.0, HEADS, PAD, HALF, False)
     tl.store(src, r1, mask=rows)
     tl.store(src + HALF, r2, mask=rows)
 
@@ -197,11 +203,11 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 @triton.jit
-def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, S, stride_t, stride_h, stride_c,
-                         stride_half, stride_slot, stride_head, stride_s, n_s, eps,
+def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, S, QW, KW, stride_t, stride_h, stride_c,
+                         stride_half, stride_slot, stride_head, stride_s, n_s, eps, qk_eps,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                          HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HAS_RMS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_S: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
     # NOTE: one program per token, all its heads as one tile (a program per head left most
     # threads idle)
     pdl_enter(PDL)
@@ -211,14 +217,15 @@ def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, S, stride_t, stride_h, stride
     if HAS_RMS:
         scale = _rms_inverse(S, t, stride_s, n_s, eps, BLOCK_S)
     q1, q2, rows, src = _rotate_heads(QKV, COS, SIN, t, 0, stride_t, stride_h, stride_c, scale,
-                                      NUM_HEADS, HEADS_PAD, HALF)
+                                      QW, qk_eps, NUM_HEADS, HEADS_PAD, HALF, QK_NORM)
     tl.store(src, q1, mask=rows)
     tl.store(src + HALF, q2, mask=rows)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:
         # NOTE: new names: a variable assigned in a branch keeps its type (shape) in Triton
         k1, k2, kv_rows, k_src = _rotate_heads(QKV, COS, SIN, t, NUM_HEADS, stride_t, stride_h,
-                                               stride_c, scale, NUM_KV_HEADS, KV_PAD, HALF)
+                                               stride_c, scale, KW, qk_eps, NUM_KV_HEADS, KV_PAD,
+                                               HALF, QK_NORM)
         j = tl.arange(0, KV_PAD)
         dst = KV + slot * stride_slot + j[:, None] * stride_head + i[None, :]
         tl.store(dst, k1, mask=kv_rows)
@@ -232,24 +239,29 @@ def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, S, stride_t, stride_h, stride
 
 def rotary_store_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
                   sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
-                  rms_of: torch.Tensor | None = None, eps: float = 0.0) -> None:
+                  rms_of: torch.Tensor | None = None, eps: float = 0.0,
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """One kernel for a fused qkv [tokens, heads + 2 * kv_heads, head_dim]: rotates the q heads in
     place and writes the rotated k heads and the v heads into one layer's cache
     [2, blocks, block_size, kv_heads, head_dim] at `slots` (negative: not written). The k heads
     of qkv are left unrotated (attention reads k from the cache). With `rms_of` [tokens, hidden],
-    q, k and v are first scaled by each token's 1 / rms of that row (rms_inverse_ref)."""
+    q, k and v are first scaled by each token's 1 / rms of that row (rms_inverse_ref). qk_norm
+    (q weight, k weight [head_dim], eps): each q and k head RMS-normed before its rotation (the
+    q/k norm of Qwen3 and Gemma 3, without rounding between the norm and the rotation)."""
     t, _, d = qkv.shape
     flat = kv.view(2, -1, num_kv_heads, d)
     s, stride_s, n_s, block_s = _rms_args(rms_of, qkv)
+    qw, kw, qk_eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)
     pdl = pdl_on(qkv)
     if t:
         _rotary_store_kernel[(t,)](
-            qkv, cos, sin, flat, slots, s, qkv.stride(0), qkv.stride(1), cos.stride(0),
-            flat.stride(0), flat.stride(1), flat.stride(2), stride_s, n_s, eps,
+            qkv, cos, sin, flat, slots, s, qw, kw, qkv.stride(0), qkv.stride(1), cos.stride(0),
+            flat.stride(0), flat.stride(1), flat.stride(2), stride_s, n_s, eps, qk_eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=d // 2,
             HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_PAD=triton.next_power_of_2(num_kv_heads),
-            HAS_RMS=rms_of is not None, BLOCK_S=block_s, PDL=pdl, launch_pdl=pdl,
+            HAS_RMS=rms_of is not None, BLOCK_S=block_s, QK_NORM=qk_norm is not None, PDL=pdl,
+            launch_pdl=pdl,
         )
 
 

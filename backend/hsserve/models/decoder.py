@@ -89,16 +89,18 @@ class Attention(nn.Module):
         place: nothing reads the stream's old value after this layer's attention)."""
         h, kvh = self.num_heads, self.num_kv_heads
         stream = x if folded_eps is not None else None
-        fused = rope.fused and batch.kernels and self.q_norm is None
-        if fused and self.qkv.takes_gemv(x):
+        fused = rope.fused and batch.kernels
+        if fused and self.q_norm is None and self.qkv.takes_gemv(x):
             # NOTE: one kernel: the qkv product, rotary, the cache writes
             q = gemv_rotary_store(x, self.qkv.weight, h, kvh, rope.cos, rope.sin, kv,
                                   batch.slot_mapping, folded_eps)
         else:
             qkv = self.qkv(x).view(len(x), -1, self.head_dim)
-            if fused:  # NOTE: one kernel rotates q and k and writes k and v into the cache
+            if fused:  # NOTE: one kernel: (q/k norm,) rotary on q and k, the k and v writes
+                qk = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                      if self.q_norm is not None else None)
                 rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping, stream,
-                              folded_eps or 0.0)
+                              folded_eps or 0.0, qk_norm=qk)
                 q = qkv[:, :h]
             else:
                 q = self._rotate_and_store(qkv, rope, batch, kv, stream, folded_eps)
