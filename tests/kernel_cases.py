@@ -87,6 +87,9 @@ def check_elementwise(device, dtype, rows=5, hidden=576, inter=1536, seed=0):
                                              w.double(), 1e-5)
         _close(out, ref_out, dtype)
         _close(total, ref_total, dtype)
+    wide = torch.full((rows, hidden), float("nan"), dtype=torch.float64, device=device)
+    out, _ = add_rmsnorm_triton(x, r, w, 1e-5, out64=wide)
+    assert torch.equal(wide, out.double()), "the float64 copy holds the same rounded values"
     gu = rnd(rows, 2 * inter)
     _close(silu_mul_triton(gu), silu_mul_ref(gu.double()), dtype)
     stream = 7 * rnd(rows, hidden)  # NOTE: the rows whose 1 / rms scales gate and up (folded norm)

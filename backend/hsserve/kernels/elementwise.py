@@ -112,8 +112,9 @@ def add_rmsnorm_ref(x, residual, weight, eps):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, n, eps,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rmsnorm_kernel(X, R, W, OUT, SUM, OUT64, stride_x, stride_r, stride_o, stride_s,
+                        stride_64, n, eps, HAS_RES: tl.constexpr, HAS_OUT64: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -126,21 +127,29 @@ def _add_rmsnorm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
     w = tl.load(W + cols, mask=mask, other=0.0)
     y = (xf * inv).to(x.dtype)
-    tl.store(OUT + row * stride_o + cols, (w * y).to(OUT.dtype.element_ty), mask=mask)
+    normed = (w * y).to(OUT.dtype.element_ty)
+    tl.store(OUT + row * stride_o + cols, normed, mask=mask)
+    if HAS_OUT64:  # NOTE: the same rounded values, widened (a router's float64 input)
+        tl.store(OUT64 + row * stride_64 + cols, normed.to(tl.float64), mask=mask)
 
 
-def add_rmsnorm(x, residual, weight, eps):
-    """The Triton kernel on CUDA, the compiled one on the CPU (float32 rows), else the reference."""
+def add_rmsnorm(x, residual, weight, eps, out64: torch.Tensor | None = None):
+    """The Triton kernel on CUDA, the compiled one on the CPU (float32 rows), else the reference.
+    out64 (x's shape, float64): also given the normed rows, widened (in the kernel on CUDA)."""
     if x.is_cuda:
-        return add_rmsnorm_triton(x, residual, weight, eps)
+        return add_rmsnorm_triton(x, residual, weight, eps, out64)
     if _cpu_kernel_takes(x, residual, weight) and x.dim() == 2:
         from hsserve.kernels import cpu_ops
 
-        return cpu_ops.add_rmsnorm(x, residual, weight, eps)  # NOTE: one pass on the CPU
-    return add_rmsnorm_ref(x, residual, weight, eps)
+        normed, total = cpu_ops.add_rmsnorm(x, residual, weight, eps)  # NOTE: one pass
+    else:
+        normed, total = add_rmsnorm_ref(x, residual, weight, eps)
+    if out64 is not None:
+        out64.copy_(normed)
+    return normed, total
 
 
-def add_rmsnorm_triton(x, residual, weight, eps):
+def add_rmsnorm_triton(x, residual, weight, eps, out64: torch.Tensor | None = None):
     x2 = x.reshape(-1, x.shape[-1])
     n = x2.shape[-1]
     out = torch.empty_like(x2)
@@ -148,10 +157,12 @@ def add_rmsnorm_triton(x, residual, weight, eps):
     r2 = residual.reshape(-1, n) if residual is not None else x2
     block = triton.next_power_of_2(n)
     pdl = pdl_on(x2)
+    o64 = out64.view(-1, n) if out64 is not None else out
     if len(x2):
         _add_rmsnorm_kernel[(len(x2),)](
-            x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
-            n, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            x2, r2, weight, out, total, o64, x2.stride(0), r2.stride(0), out.stride(0),
+            total.stride(0), o64.stride(0), n, eps, HAS_RES=residual is not None,
+            HAS_OUT64=out64 is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
             PDL=pdl, launch_pdl=pdl,
         )
     return out.view(x.shape), total.view(x.shape)

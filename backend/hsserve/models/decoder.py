@@ -42,9 +42,11 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with a residual (norm(x + residual), x + residual) in one pass on CUDA."""
-        normed, total = add_rmsnorm(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out64: torch.Tensor | None = None):
+        """norm(x), or with a residual (norm(x + residual), x + residual) in one pass on CUDA;
+        out64: also given the normed rows in float64 (a router's input: no cast kernel)."""
+        normed, total = add_rmsnorm(x, residual, self.weight, self.eps, out64)
         return normed if residual is None else (normed, total)
 
 
@@ -163,8 +165,11 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_norm(x), x
         else:
             h, residual = self.input_norm(x, residual)
-        h, residual = self.post_attn_norm(self.attn(h, rope, batch, kv), residual)
-        return self.mlp(h), residual
+        h = self.attn(h, rope, batch, kv)
+        # NOTE: a router reads the normed rows in float64: the norm writes them (no cast kernel)
+        h64 = h.new_empty(h.shape, dtype=torch.float64) if isinstance(self.mlp, MoE) else None
+        h, residual = self.post_attn_norm(h, residual, out64=h64)
+        return (self.mlp(h) if h64 is None else self.mlp(h, router_input=h64)), residual
 
     def forward_folded(self, stream, rope, batch, kv):
         """The same layer with its norms folded (Decoder.fold_norms): stream in, stream out."""

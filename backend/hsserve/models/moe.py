@@ -38,30 +38,34 @@ class MoE(nn.Module):
         """After loading: the router's float64 copy (made here, not inside a graph capture)."""
         self._router64 = self.router.double()
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The router's float64 logits [tokens, experts]."""
+    def logits(self, x: torch.Tensor, x64: torch.Tensor | None = None) -> torch.Tensor:
+        """The router's float64 logits [tokens, experts] (x64: x already widened)."""
         if self._router64 is None:
             self.prepare()
-        return F.linear(x.double(), self._router64)
+        return F.linear(x.double() if x64 is None else x64, self._router64)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, x64: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])."""
-        probs = torch.softmax(self.logits(x), dim=-1).float()
+        probs = torch.softmax(self.logits(x, x64), dim=-1).float()
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
-    def forward(self, x: torch.Tensor, folded_eps: float | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, folded_eps: float | None = None,
+                router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """router_input: x in float64, when the norm before wrote it (else cast here)."""
         assert folded_eps is None, "a MoE layer's norms are never folded"
         # NOTE: on CUDA the grouped GEMM (no host sync: capturable); elsewhere its reference
         if x.is_cuda and len(x) * self.top_k <= MAX_PAIRS:  # NOTE: decode: one routing launch
-            weights, experts, ids, blocks = route_align(self.logits(x), self.top_k, self.renormalize,
-                                                        block_rows(len(x) * self.top_k))
+            weights, experts, ids, blocks = route_align(
+                self.logits(x, router_input), self.top_k, self.renormalize,
+                block_rows(len(x) * self.top_k))
             out = fused_experts(x, self.gate_up, self.down, weights, experts, self.weigh_in_float,
                                 (ids, blocks))
         else:
-            weights, experts = self.route(x)
+            weights, experts = self.route(x, router_input)
             run = fused_experts if x.is_cuda else experts_ref
             out = run(x, self.gate_up, self.down, weights, experts, self.weigh_in_float)
         return out if self.reduce is None else self.reduce(out)
