@@ -4,7 +4,7 @@
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
 # PART: tests triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
-# profile1 host logprobs extract8b extract_spy moe moe_kernels tp_tests tp8b tp70b
+# profile1 host logprobs extract8b extract_spy moe moe_kernels moe_profile tp_tests tp8b tp70b
 # two_instances none. The one-off A/B scripts' parts went with them to bench/archive/.
 set -u
 cd "$(dirname "$0")/.."
@@ -57,8 +57,10 @@ for part in $parts; do
            -k "moe or family" -q -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -15
          timeout 240 python3 bench/gpu_decode.py --shapes qwen3-30b-a3b --batches-8b 1 64 --repeats 1 \
            --no-hf --out "$OUT/h200_decode_moe.json" 2>&1 | grep "^{\|Error\|error" ;;
-    moe_kernels) timeout 150 python3 bench/moe_kernels.py --out "$OUT/h200_moe_kernels.json" 2>&1 \
+    moe_kernels) timeout 300 python3 bench/moe_kernels.py --out "$OUT/h200_moe_kernels.json" 2>&1 \
                    | grep -v "^\[W" ;;  # NOTE: the MoE pieces' launch sweeps (one H200)
+    moe_profile) timeout 200 python3 bench/gpu_profile.py --shape qwen3-30b-a3b --batches 1 --top 24 \
+                   2>&1 | grep -v "^\[W" ;;
     tp_tests) timeout 300 python3 -m pytest -m gpu tests/gpu/test_gpu_tensor_parallel.py -q \
                 -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -12 ;;  # NOTE: nvidia-h200-x2
     tp8b) for n in 1 2; do timeout 250 python3 bench/gpu_decode.py --shapes llama-8b --batches-8b 1 64 \

@@ -1,10 +1,12 @@
 """A mixture-of-experts layer's decode pieces on the GPU, Qwen3-30B-A3B shape (hidden 2048, 128
 experts, top 8, intermediate 768, bf16, random weights and routers): the router's float64 logits
-(MoE.logits: a cast, then cuBLAS), route_align, the gate_up and down grouped GEMMs, the pairs'
-sum, and the whole MoE.forward. Each is timed inside a captured CUDA graph over `--layers`
-distinct layers (nothing from L2, launch cost as in the engine), for its default launch config
-and a neighbour of it in each knob: every candidate checked against the default's result, one
-JSON line per (batch, piece, config), then the best config per piece beside the default.
+(router_logits at decode sizes, beside MoE.logits' cast + cuBLAS as "torch"), route_align, the
+gate_up and down grouped GEMMs, the pairs' sum, and the whole MoE.forward. Each is timed inside a
+captured CUDA graph over `--layers` distinct layers (nothing from L2, launch cost as in the
+engine; at batch 1 chained by PDL as there), for its default launch config and a neighbour of it
+in each knob (at batch 1 a wider set of GEMM tiles): every candidate checked against the
+default's result, one JSON line per (batch, piece, config), then the best config per piece
+beside the default.
 
     python bench/moe_kernels.py [--batches 1 64] [--layers 8] [--out FILE]
 """
@@ -27,7 +29,9 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from hsserve.kernels.moe import (SUM_CONFIG, GemmConfig, _grouped_gemm,  # noqa: E402
                                  align_pairs, block_rows, gemm_config, sum_pairs)
-from hsserve.kernels.moe_route import MAX_PAIRS, ROUTE_WARPS, route_align  # noqa: E402
+from hsserve.kernels.moe_route import (MAX_PAIRS, ROUTE_WARPS, ROUTER_EXPERTS,  # noqa: E402
+                                       route_align, router_logits)
+from hsserve.kernels.pdl import pdl_on  # noqa: E402
 from hsserve.models.moe import MoE  # noqa: E402
 from hsserve.models.spec import ModelSpec  # noqa: E402
 
@@ -35,6 +39,11 @@ TB = 4.25e12  # NOTE: the H200's measured copy bandwidth, bytes/s
 DEVICE = "cuda"
 ROUTE_CONFIGS = [2, 4, 8]  # NOTE: route_align's num_warps
 SUM_CONFIGS = [(128, 1), (256, 1), (256, 2)]
+ROUTER_CONFIGS = [1, 2, 4, 8]  # NOTE: router_logits' rows a program
+# NOTE: batch 1's wider GEMM set: (block_n, block_k, warps, stages), narrow tiles for more programs
+DECODE_GEMMS = [(32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3),
+                (16, 128, 2, 5), (32, 128, 2, 4), (16, 64, 2, 6), (32, 64, 4, 6), (64, 256, 8, 3),
+                (16, 256, 8, 4), (32, 128, 8, 5), (64, 128, 4, 5)]
 
 
 def build(layers: int) -> list[MoE]:
@@ -98,10 +107,17 @@ def torch_or_equal(tol: float):
     return check
 
 
-def gemm_neighbours(base: GemmConfig) -> list[GemmConfig]:
-    """The default, then one knob at a time moved a step (stages: the other size's, 3 <-> 4)."""
-    return [base, base._replace(block_n=32), base._replace(block_k=64),
+def gemm_neighbours(base: GemmConfig, batch: int) -> list[GemmConfig]:
+    """The default, then one knob at a time moved a step (stages: the other size's, 3 <-> 4);
+    at batch 1 DECODE_GEMMS besides."""
+    near = [base, base._replace(block_n=32), base._replace(block_k=64),
             base._replace(num_warps=2), base._replace(num_stages=7 - base.num_stages)]
+    wide = [GemmConfig(*c) for c in DECODE_GEMMS] if batch == 1 else []
+    return near + [c for c in wide if c not in near]
+
+
+def close64(got, want, cfg):
+    assert (got - want).abs().max().item() <= 1e-12 * want.abs().max().item(), cfg
 
 
 def route_torch(logits: torch.Tensor, k: int, num_experts: int, block_m: int):
@@ -115,18 +131,29 @@ def bench_routing(moes, xs, batch, rows, best, defaults):
     """The router's logits, then route_align (or the torch routing above MAX_PAIRS) -> each
     layer's (weights, experts, pair ids, block experts)."""
     calls, k, (e, hidden) = len(moes), moes[0].top_k, moes[0].router.shape
-    block_m = block_rows(batch * k)
-    best["router"] = sweep(rows, batch, "router", [None], lambda i, _c: moes[i].logits(xs[i]),
-                           equal, e * hidden * 8 / TB * 1e6, calls)
-    lg = [moes[i].logits(xs[i]) for i in range(calls)]
+    block_m, pdl = block_rows(batch * k), pdl_on(xs[0])
     if batch * k <= MAX_PAIRS:
+        def router(i, cfg):
+            if cfg == "torch":
+                return moes[i].logits(xs[i])
+            return router_logits(xs[i], moes[i].router, pdl, cfg)
+
+        defaults["router"] = ROUTER_EXPERTS
+        best["router"] = sweep(rows, batch, "router", ROUTER_CONFIGS + ["torch"], router, close64,
+                               e * hidden * 2 / TB * 1e6, calls)
+        lg = [router(i, None) for i in range(calls)]
+
         def route(i, warps):
-            return route_align(lg[i], k, True, block_m, warps)
+            return route_align(lg[i], k, True, block_m, warps, pdl)
 
         defaults["route_align"] = ROUTE_WARPS
         best["route_align"] = sweep(rows, batch, "route_align", ROUTE_CONFIGS, route, equal, 0,
                                     calls)
     else:
+        best["router"] = sweep(rows, batch, "router", [None], lambda i, _c: moes[i].logits(xs[i]),
+                               equal, e * hidden * 8 / TB * 1e6, calls)
+        lg = [moes[i].logits(xs[i]) for i in range(calls)]
+
         def route(i, _cfg):
             return route_torch(lg[i], k, e, block_m)
 
@@ -138,30 +165,33 @@ def bench_experts(moes, xs, batch, routed, rows, best, defaults) -> float:
     """gate_up, down, the pairs' sum -> the experts a layer reads (mean over the layers)."""
     calls, m = len(moes), moes[0]
     k, hidden, inter = m.top_k, m.gate_up.shape[2], m.down.shape[2]
-    pairs, block_m = batch * k, block_rows(batch * k)
+    pairs, block_m, pdl = batch * k, block_rows(batch * k), pdl_on(xs[0])
     used = sum(len(torch.unique(r[1])) for r in routed) / calls
 
     def gate_up(i, cfg):
         _, _, ids, blocks = routed[i]
         return _grouped_gemm(xs[i], moes[i].gate_up, ids, blocks, pairs, inter, k, True, None,
-                             block_m, cfg)
+                             block_m, cfg, pdl)
 
     defaults["gate_up"] = defaults["down"] = gemm_config(pairs)
-    best["gate_up"] = sweep(rows, batch, "gate_up", gemm_neighbours(defaults["gate_up"]), gate_up,
+    candidates = gemm_neighbours(defaults["gate_up"], batch)
+    best["gate_up"] = sweep(rows, batch, "gate_up", candidates, gate_up,
                             close, used * 2 * inter * hidden * 2 / TB * 1e6, calls)
     hs = [gate_up(i, None) for i in range(calls)]
 
     def down(i, cfg):
         w, _, ids, blocks = routed[i]
         return _grouped_gemm(hs[i], moes[i].down, ids, blocks, pairs, hidden, 1, False,
-                             w.reshape(-1), block_m, cfg)
+                             w.reshape(-1), block_m, cfg, pdl)
 
-    best["down"] = sweep(rows, batch, "down", gemm_neighbours(defaults["down"]), down, close,
+    best["down"] = sweep(rows, batch, "down", candidates, down, close,
                          used * inter * hidden * 2 / TB * 1e6, calls)
     ys = [down(i, None) for i in range(calls)]
 
     def summed(i, cfg):
-        return ys[i].view(batch, k, -1).sum(1) if cfg == "torch" else sum_pairs(ys[i], k, cfg)
+        if cfg == "torch":
+            return ys[i].view(batch, k, -1).sum(1)
+        return sum_pairs(ys[i], k, cfg, pdl)
 
     defaults["sum"] = SUM_CONFIG
     best["sum"] = sweep(rows, batch, "sum", SUM_CONFIGS + ["torch"], summed, torch_or_equal(1e-2),
@@ -178,7 +208,7 @@ def bench_batch(moes: list[MoE], batch: int, rows: list) -> None:
     best, defaults = {}, {}
     routed = bench_routing(moes, xs, batch, rows, best, defaults)
     used = bench_experts(moes, xs, batch, routed, rows, best, defaults)
-    floor = (e * hidden * 8 + used * 3 * inter * hidden * 2) / TB * 1e6
+    floor = (e * hidden * 2 + used * 3 * inter * hidden * 2) / TB * 1e6
     best["forward"] = sweep(rows, batch, "forward", [None], lambda i, _c: moes[i](xs[i]), equal,
                             floor, len(moes))
     for piece, row in best.items():

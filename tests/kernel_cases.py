@@ -406,6 +406,26 @@ def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0, configs=
     _close(got.cpu(), ref, dtype, fp32_tol=1e-5)
 
 
+def check_router_logits(device, dtype, tokens, experts, hidden, seed=0, block_e=None):
+    """router_logits equals F.linear in float64 (to float64 rounding); identical router rows tie
+    exactly (in one program's tile and across programs); a row's logits are the same bits alone
+    and in a batch, at any place in it."""
+    from hsserve.kernels.moe_route import router_logits
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype)
+    w[1] = w[0]
+    w[experts - 1] = w[0]  # NOTE: ties inside a tile and across tiles
+    got = router_logits(x.to(device), w.to(device), block_e=block_e).cpu()
+    want = torch.nn.functional.linear(x.double(), w.double())
+    assert got.dtype == torch.float64
+    assert (got - want).abs().max().item() <= 1e-12 * want.abs().max().item()
+    assert torch.equal(got[:, 0], got[:, 1]) and torch.equal(got[:, 0], got[:, experts - 1])
+    last = router_logits(x[-1:].to(device), w.to(device), block_e=block_e).cpu()
+    assert torch.equal(last[0], got[-1])
+
+
 def check_route_align(device, tokens, experts, k, renormalize, seed=0, num_warps=None):
     """route_align's routing equals MoE.route's (softmax of float64 logits, top k, renormalized
     or not; a tie goes to the lower expert) and its alignment align_pairs' (same groups)."""

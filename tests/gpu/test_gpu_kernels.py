@@ -157,6 +157,17 @@ def test_moe_grouped_gemm_launch_configs():
             check_moe("cuda", torch.bfloat16, tokens, 32, 8, 2048, 768, configs=(cfg, cfg))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, hidden", [(1, 128, 2048), (16, 128, 2048), (9, 8, 4096),
+                                                     (3, 6, 200)])
+def test_moe_router_logits_matches_float64(dtype, tokens, experts, hidden):
+    # Qwen3-30B-A3B at batch 1 and 16, Mixtral's 8 x 4096, odd sizes
+    from kernel_cases import check_router_logits
+
+    for block_e in (None, 1, 4):
+        check_router_logits("cuda", dtype, tokens, experts, hidden, block_e=block_e)
+
+
 @pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (16, 128, 8, True),
                                                              (7, 8, 2, False), (5, 6, 3, True),
                                                              (4, 128, 8, False)])

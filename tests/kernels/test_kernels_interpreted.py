@@ -135,6 +135,13 @@ def test_moe_grouped_gemm_launch_configs():
         check_moe("cpu", torch.float32, 3, 8, 2, 200, 70, configs=(cfg, cfg))
 
 
+@pytest.mark.parametrize("tokens, experts, hidden, block_e", [(1, 16, 64, None), (5, 7, 40, 4)])
+def test_moe_router_logits_matches_float64(tokens, experts, hidden, block_e):
+    from kernel_cases import check_router_logits
+
+    check_router_logits("cpu", torch.float32, tokens, experts, hidden, block_e=block_e)
+
+
 @pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (3, 8, 2, False),
                                                              (16, 128, 8, True), (5, 6, 3, True),
                                                              (1, 8, 2, True), (2, 5, 5, False)])

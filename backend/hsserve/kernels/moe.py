@@ -8,7 +8,7 @@ launches of one kernel: gate_up with SiLU-and-mul (h [pairs, I]), and down scale
 routing weight (y [pairs, H]); then the k pairs of a token are summed (sum_pairs). A block reads
 only its expert's weights, so a decode step reads each chosen expert once (at batch 1, only the
 chosen ones). The launch (tile, warps, stages) is gemm_config's, by size; bench/moe_kernels.py
-sweeps it.
+sweeps it. At one token the launches chain by programmatic dependent launch (kernels/pdl.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from hsserve.kernels.pdl import pdl_enter
 
 
 def experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -66,10 +68,11 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int):
 def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, pairs, num_experts, N, K,
                          stride_x, stride_we, stride_wn, stride_out, ROW_DIV: tl.constexpr,
                          SILU_MUL: tl.constexpr, WEIGH: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[pair] = f(X[pair // ROW_DIV] @ W[e]^T) over one block of pairs x BLOCK_N columns;
     SILU_MUL: W holds gate rows then up rows (N each), f = silu(gate) * up; WEIGH: x the pair's
     routing weight."""
+    pdl_enter(PDL)  # NOTE: which weights to read is the routing's: nothing to load before
     e = tl.load(BLOCK_EXPERT + tl.program_id(0))
     if e < num_experts:
         ids = tl.load(IDS + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -118,7 +121,7 @@ def gemm_config(pairs: int) -> GemmConfig:
 
 
 def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights, block_m,
-                  config: GemmConfig | None):
+                  config: GemmConfig | None, pdl: bool = False):
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     cfg = config or gemm_config(pairs)
     grid = (len(block_expert), triton.cdiv(n, cfg.block_n))
@@ -126,13 +129,15 @@ def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights,
         x, w, out, ids, block_expert, weights if weights is not None else out, pairs, w.shape[0],
         n, x.shape[1], x.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div,
         SILU_MUL=silu_mul, WEIGH=weights is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl)
     return out
 
 
 @triton.jit
-def _sum_pairs_kernel(Y, OUT, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_pairs_kernel(Y, OUT, H, K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """OUT[t] = Y[t K] + ... + Y[t K + K - 1] in float32, in that order, cast once."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -144,7 +149,8 @@ def _sum_pairs_kernel(Y, OUT, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
 SUM_CONFIG = (256, 1)  # NOTE: (BLOCK_H, num_warps): a warp's 16-byte loads of bf16 (others: noise)
 
 
-def sum_pairs(y: torch.Tensor, k: int, config: tuple[int, int] | None = None) -> torch.Tensor:
+def sum_pairs(y: torch.Tensor, k: int, config: tuple[int, int] | None = None,
+              pdl: bool = False) -> torch.Tensor:
     """y [tokens * k, H] (each token's k pairs in a row) -> [tokens, H]: the pairs' sum in a
     fixed order (deterministic). config: (BLOCK_H, num_warps), SUM_CONFIG by default."""
     pairs, hidden = y.shape
@@ -152,7 +158,8 @@ def sum_pairs(y: torch.Tensor, k: int, config: tuple[int, int] | None = None) ->
     out = torch.empty(pairs // k, hidden, dtype=y.dtype, device=y.device)
     block_h, warps = config or SUM_CONFIG
     _sum_pairs_kernel[(pairs // k, triton.cdiv(hidden, block_h))](y, out, hidden, K=k,
-                                                                  BLOCK_H=block_h, num_warps=warps)
+                                                                  BLOCK_H=block_h, PDL=pdl,
+                                                                  num_warps=warps, launch_pdl=pdl)
     return out
 
 
@@ -164,19 +171,19 @@ def block_rows(pairs: int) -> int:
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   weights: torch.Tensor, experts: torch.Tensor, weigh_in_float: bool,
                   aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  configs: tuple[GemmConfig | None, GemmConfig | None] = (None, None)
-                  ) -> torch.Tensor:
+                  configs: tuple[GemmConfig | None, GemmConfig | None] = (None, None),
+                  pdl: bool = False) -> torch.Tensor:
     """experts_ref's result through the grouped GEMM (routing weights applied in float32 either
     way: the kernel's accumulator is float32). aligned: align_pairs' result for block_rows,
     when already made (kernels/moe_route.py); configs: gate_up's and down's launches (None:
-    gemm_config's)."""
+    gemm_config's); pdl: the launches chained (kernels/pdl.py's pdl_on of x)."""
     tokens, k = experts.shape
     block_m = block_rows(tokens * k)
     ids, block_expert = aligned or align_pairs(experts, gate_up.shape[0], block_m)
     inter = down.shape[2]
     pairs = tokens * k
     h = _grouped_gemm(x.contiguous(), gate_up, ids, block_expert, pairs, inter, k, True, None,
-                      block_m, configs[0])
+                      block_m, configs[0], pdl)
     y = _grouped_gemm(h, down, ids, block_expert, pairs, down.shape[1], 1, False,
-                      weights.float().reshape(-1).contiguous(), block_m, configs[1])
-    return sum_pairs(y, k)
+                      weights.float().reshape(-1).contiguous(), block_m, configs[1], pdl)
+    return sum_pairs(y, k, pdl=pdl)

@@ -1,11 +1,13 @@
-"""A decode step's expert routing and the pairs' alignment by expert in one program, for the
-grouped GEMM of kernels/moe.py (its reference: MoE.route, then align_pairs).
+"""A decode step's expert routing on CUDA, for the grouped GEMM of kernels/moe.py: the router's
+float64 logits (router_logits; its reference: F.linear in float64), then the routing and the
+pairs' alignment by expert in one program (route_align; its reference: MoE.route, then
+align_pairs). Both chain by programmatic dependent launch (kernels/pdl.py) at one row.
 
 At decode sizes the routing's softmax / top-k / renormalization and align_pairs' ~25 small torch
 ops cost more in launches than the experts' weights take to read
-(bench/README.md#mixture-of-experts-h200). route_align takes the router's float64 logits [T, E]
-and writes each token's k experts and float32 weights, the pair ids grouped by expert (padding
-id T * k) and each block's expert: T * k pairs at most MAX_PAIRS.
+(bench/README.md#mixture-of-experts-h200). route_align takes the logits [T, E] and writes each
+token's k experts and float32 weights, the pair ids grouped by expert (padding id T * k) and each
+block's expert: T * k pairs at most MAX_PAIRS.
 """
 
 from __future__ import annotations
@@ -15,16 +17,55 @@ import triton
 import triton.language as tl
 
 from hsserve.kernels.moe import aligned_rows
+from hsserve.kernels.pdl import pdl_enter
 
 MAX_PAIRS = 128  # NOTE: the pairwise rank below is [pairs, pairs] in registers
 ROUTE_WARPS = 4  # NOTE: the fastest at decode sizes (bench/moe_kernels.py): 1 or 2 are slower
+ROUTER_EXPERTS = 2  # NOTE: router rows a program (bench/moe_kernels.py); fixed: it shapes sums
+
+
+@triton.jit
+def _router_kernel(X, W, OUT, num_experts, K, stride_x, stride_w, BLOCK_E: tl.constexpr,
+                   KP: tl.constexpr, PDL: tl.constexpr):
+    """OUT[t, e] = sum_k X[t, k] W[e, k] in float64, for one token and BLOCK_E experts."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rk = tl.arange(0, KP)
+    w = tl.load(W + e[:, None].to(tl.int64) * stride_w + rk[None, :],
+                mask=(e[:, None] < num_experts) & (rk[None, :] < K), other=0.0)
+    pdl_enter(PDL)  # NOTE: x comes from the norm before; the router's rows did not
+    x = tl.load(X + t * stride_x + rk, mask=rk < K, other=0.0)
+    # NOTE: both widened exactly, so each product is exact; one program per token and the same
+    # reduction for every row of the tile: a logit's bits do not depend on the batch, the row's
+    # place in it or the launch, and identical router rows tie exactly
+    logits = tl.sum(w.to(tl.float64) * x.to(tl.float64)[None, :], axis=1)
+    tl.store(OUT + t * num_experts + e, logits, mask=e < num_experts)
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor, pdl: bool = False,
+                  block_e: int | None = None) -> torch.Tensor:
+    """x [T, H] and the router's rows w [E, H] (float dtypes of the model) -> float64 logits
+    [T, E], as F.linear(x.double(), w.double()) to float64 rounding."""
+    tokens, hidden = x.shape
+    num_experts = w.shape[0]
+    assert w.shape[1] == hidden and x.stride(1) == 1 and w.stride(1) == 1
+    block_e = block_e or ROUTER_EXPERTS
+    kp = triton.next_power_of_2(hidden)
+    out = torch.empty(tokens, num_experts, dtype=torch.float64, device=x.device)
+    warps = min(16, max(1, block_e * kp // 1024))  # NOTE: ~32 float64 products a thread
+    _router_kernel[(tokens, triton.cdiv(num_experts, block_e))](
+        x, w, out, num_experts, hidden, x.stride(0), w.stride(0), BLOCK_E=block_e, KP=kp,
+        PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return out
 
 
 @triton.jit
 def _route_align_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, tokens, num_experts,
                         rows, num_blocks, K: tl.constexpr, RENORM: tl.constexpr,
                         E_PAD: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                        R_PAD: tl.constexpr, B_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+                        R_PAD: tl.constexpr, B_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl_enter(PDL)
     e = tl.arange(0, E_PAD)
     t = tl.arange(0, T_PAD)
     j = tl.arange(0, K_PAD)
@@ -93,7 +134,7 @@ def _pads(tokens: int, k: int) -> tuple[int, int]:
 
 
 def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
-                num_warps: int | None = None):
+                num_warps: int | None = None, pdl: bool = False):
     """float64 router logits [T, E] -> (weights [T, k] float32, experts [T, k], pair ids grouped
     by expert, each block's expert): MoE.route and align_pairs in one launch. num_warps: None
     for ROUTE_WARPS."""
@@ -111,6 +152,6 @@ def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
         logits.contiguous(), weights, experts, ids, block_expert, tokens, num_experts, rows,
         rows // block_m, K=k, RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts),
         T_PAD=t_pad, K_PAD=k_pad, R_PAD=triton.next_power_of_2(rows),
-        B_PAD=max(16, triton.next_power_of_2(rows // block_m)), BLOCK_M=block_m,
-        num_warps=num_warps or ROUTE_WARPS)
+        B_PAD=max(16, triton.next_power_of_2(rows // block_m)), BLOCK_M=block_m, PDL=pdl,
+        num_warps=num_warps or ROUTE_WARPS, launch_pdl=pdl)
     return weights, experts, ids, block_expert

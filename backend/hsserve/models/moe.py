@@ -6,7 +6,10 @@ The experts run in kernels/moe.py (a grouped GEMM on CUDA, its torch reference e
 router's logits are computed in float64: a product's last bits may depend on how many rows it has
 (the BLAS picks its kernel by shape), and in float32 that could flip a near-tie between two
 experts with the batch's composition; an exact tie (identical router rows) stays exact and goes
-the same way whatever the batch.
+the same way whatever the batch. At decode sizes on CUDA the logits come from router_logits
+(kernels/moe_route.py: the same float64 sums of exact products, chained with the routing and the
+experts' launches); a near-tie within float64 rounding could go either way between it and the
+BLAS, none that float32 or bfloat16 could tell apart.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts
-from hsserve.kernels.moe_route import MAX_PAIRS, route_align
+from hsserve.kernels.moe_route import MAX_PAIRS, route_align, router_logits
+from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
 
 
@@ -53,17 +57,22 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
+    def routes_in_kernel(self, x: torch.Tensor) -> bool:
+        """Whether x's rows are routed by the decode kernels (no float64 copy of x needed)."""
+        return x.is_cuda and len(x) * self.top_k <= MAX_PAIRS
+
     def forward(self, x: torch.Tensor, folded_eps: float | None = None,
                 router_input: torch.Tensor | None = None) -> torch.Tensor:
         """router_input: x in float64, when the norm before wrote it (else cast here)."""
         assert folded_eps is None, "a MoE layer's norms are never folded"
         # NOTE: on CUDA the grouped GEMM (no host sync: capturable); elsewhere its reference
-        if x.is_cuda and len(x) * self.top_k <= MAX_PAIRS:  # NOTE: decode: one routing launch
+        if self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
+            pdl = pdl_on(x)
             weights, experts, ids, blocks = route_align(
-                self.logits(x, router_input), self.top_k, self.renormalize,
-                block_rows(len(x) * self.top_k))
+                router_logits(x, self.router, pdl), self.top_k, self.renormalize,
+                block_rows(len(x) * self.top_k), pdl=pdl)
             out = fused_experts(x, self.gate_up, self.down, weights, experts, self.weigh_in_float,
-                                (ids, blocks))
+                                (ids, blocks), pdl=pdl)
         else:
             weights, experts = self.route(x, router_input)
             run = fused_experts if x.is_cuda else experts_ref
