@@ -41,9 +41,9 @@ ROUTE_CONFIGS = [2, 4, 8]  # NOTE: route_align's num_warps
 SUM_CONFIGS = [(128, 1), (256, 1), (256, 2)]
 ROUTER_CONFIGS = [1, 2, 4, 8]  # NOTE: router_logits' rows a program
 # NOTE: batch 1's wider GEMM set: (block_n, block_k, warps, stages), narrow tiles for more programs
-DECODE_GEMMS = [(32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3),
-                (16, 128, 2, 5), (32, 128, 2, 4), (16, 64, 2, 6), (32, 64, 4, 6), (64, 256, 8, 3),
-                (16, 256, 8, 4), (32, 128, 8, 5), (64, 128, 4, 5)]
+DECODE_GEMMS = [(64, 128, 4, 4), (32, 128, 2, 4), (64, 128, 4, 5), (32, 128, 2, 5), (32, 128, 2, 3),
+                (64, 128, 4, 6), (64, 256, 8, 3), (32, 256, 4, 3), (32, 256, 2, 3), (64, 128, 2, 5),
+                (32, 128, 4, 4), (16, 128, 2, 5)]
 
 
 def build(layers: int) -> list[MoE]:
@@ -173,10 +173,9 @@ def bench_experts(moes, xs, batch, routed, rows, best, defaults) -> float:
         return _grouped_gemm(xs[i], moes[i].gate_up, ids, blocks, pairs, inter, k, True, None,
                              block_m, cfg, pdl)
 
-    defaults["gate_up"] = defaults["down"] = gemm_config(pairs)
-    candidates = gemm_neighbours(defaults["gate_up"], batch)
-    best["gate_up"] = sweep(rows, batch, "gate_up", candidates, gate_up,
-                            close, used * 2 * inter * hidden * 2 / TB * 1e6, calls)
+    defaults["gate_up"], defaults["down"] = gemm_config(pairs, True), gemm_config(pairs, False)
+    best["gate_up"] = sweep(rows, batch, "gate_up", gemm_neighbours(defaults["gate_up"], batch),
+                            gate_up, close, used * 2 * inter * hidden * 2 / TB * 1e6, calls)
     hs = [gate_up(i, None) for i in range(calls)]
 
     def down(i, cfg):
@@ -184,7 +183,7 @@ def bench_experts(moes, xs, batch, routed, rows, best, defaults) -> float:
         return _grouped_gemm(hs[i], moes[i].down, ids, blocks, pairs, hidden, 1, False,
                              w.reshape(-1), block_m, cfg, pdl)
 
-    best["down"] = sweep(rows, batch, "down", candidates, down, close,
+    best["down"] = sweep(rows, batch, "down", gemm_neighbours(defaults["down"], batch), down, close,
                          used * inter * hidden * 2 / TB * 1e6, calls)
     ys = [down(i, None) for i in range(calls)]
 

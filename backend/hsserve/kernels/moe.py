@@ -110,20 +110,24 @@ class GemmConfig(NamedTuple):
 
 
 DECODE_PAIRS = 128  # NOTE: up to here the decode configs (a few rows per expert block)
+ONE_TOKEN_PAIRS = 16  # NOTE: up to here batch 1's (one block per chosen expert)
 
 
-def gemm_config(pairs: int) -> GemmConfig:
-    """The launch of one grouped GEMM (gate_up or down) over `pairs` rows: 64 columns by 128 deep,
-    4 warps, the fastest of bench/moe_kernels.py's sweep for both GEMMs at batch 1 and 64
-    (Qwen3-30B-A3B). At decode sizes a block holds a row or two and reading the weights is the
-    cost: one more pipeline stage keeps loads in flight."""
+def gemm_config(pairs: int, silu_mul: bool) -> GemmConfig:
+    """The launch of one grouped GEMM over `pairs` rows, gate_up's (silu_mul) or down's: the
+    fastest of bench/moe_kernels.py's sweeps (Qwen3-30B-A3B). At batch 1 gate_up takes narrow
+    tiles (more programs over its 8 x 12 column tiles of 64) and down one more stage; above, 64
+    columns by 128 deep, 4 warps for both; at decode sizes a block holds a row or two and reading
+    the weights is the cost: one more pipeline stage keeps loads in flight."""
+    if pairs <= ONE_TOKEN_PAIRS:
+        return GemmConfig(32, 128, 2, 4) if silu_mul else GemmConfig(64, 128, 4, 5)
     return GemmConfig(64, 128, 4, 4 if pairs <= DECODE_PAIRS else 3)
 
 
 def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights, block_m,
                   config: GemmConfig | None, pdl: bool = False):
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
-    cfg = config or gemm_config(pairs)
+    cfg = config or gemm_config(pairs, silu_mul)
     grid = (len(block_expert), triton.cdiv(n, cfg.block_n))
     _grouped_gemm_kernel[grid](
         x, w, out, ids, block_expert, weights if weights is not None else out, pairs, w.shape[0],
