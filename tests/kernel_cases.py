@@ -426,16 +426,17 @@ def check_router_logits(device, dtype, tokens, experts, hidden, seed=0, block_e=
     assert torch.equal(last[0], got[-1])
 
 
-def check_route_align(device, tokens, experts, k, renormalize, seed=0, num_warps=None):
+def check_route_align(device, tokens, experts, k, renormalize, seed=0, num_warps=None, one=None):
     """route_align's routing equals MoE.route's (softmax of float64 logits, top k, renormalized
-    or not; a tie goes to the lower expert) and its alignment align_pairs' (same groups)."""
+    or not; a tie goes to the lower expert) and its alignment align_pairs' (same groups); one:
+    its one-token kernel or not (None: its choice)."""
     from hsserve.kernels.moe import align_pairs
     from hsserve.kernels.moe_route import route_align
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     logits = torch.randn(tokens, experts, generator=g, dtype=torch.float64)
     logits[0, 1] = logits[0, 0]  # NOTE: a tie
-    w, e, ids, blocks = route_align(logits.to(device), k, renormalize, 16, num_warps)
+    w, e, ids, blocks = route_align(logits.to(device), k, renormalize, 16, num_warps, one=one)
     probs = torch.softmax(logits, dim=-1).float()
     ref_w, ref_e = torch.topk(probs, k, dim=-1)
     if renormalize:

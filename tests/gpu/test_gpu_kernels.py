@@ -170,12 +170,15 @@ def test_moe_router_logits_matches_float64(dtype, tokens, experts, hidden):
 
 @pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (16, 128, 8, True),
                                                              (7, 8, 2, False), (5, 6, 3, True),
+                                                             (1, 8, 2, False), (1, 60, 4, True),
                                                              (4, 128, 8, False)])
 def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
     for warps in (None, 1, 2, 8):
         check_route_align("cuda", tokens, experts, k, renormalize, num_warps=warps)
+        if tokens == 1:  # NOTE: the general kernel too (route_align takes the one-token one)
+            check_route_align("cuda", tokens, experts, k, renormalize, num_warps=warps, one=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

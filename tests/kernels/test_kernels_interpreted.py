@@ -144,11 +144,14 @@ def test_moe_router_logits_matches_float64(tokens, experts, hidden, block_e):
 
 @pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (3, 8, 2, False),
                                                              (16, 128, 8, True), (5, 6, 3, True),
-                                                             (1, 8, 2, True), (2, 5, 5, False)])
+                                                             (1, 8, 2, True), (2, 5, 5, False),
+                                                             (1, 5, 5, False), (1, 6, 3, False)])
 def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
     check_route_align("cpu", tokens, experts, k, renormalize)
+    if tokens == 1:  # NOTE: the general kernel too (route_align takes the one-token one)
+        check_route_align("cpu", tokens, experts, k, renormalize, one=False)
 
 
 @pytest.mark.parametrize("window", [None, 24])

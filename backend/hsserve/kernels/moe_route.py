@@ -21,6 +21,7 @@ from hsserve.kernels.pdl import pdl_enter
 
 MAX_PAIRS = 128  # NOTE: the pairwise rank below is [pairs, pairs] in registers
 ROUTE_WARPS = 4  # NOTE: the fastest at decode sizes (bench/moe_kernels.py): 1 or 2 are slower
+ONE_EXPERTS = 256  # NOTE: the one-token kernel's ranks are [E, E] in registers
 ROUTER_EXPERTS = 2  # NOTE: router rows a program (bench/moe_kernels.py); fixed: it shapes sums
 
 
@@ -127,6 +128,37 @@ def _align(IDS, BLOCK_EXPERT, chosen, pair, pairs, num_experts, rows, num_blocks
     tl.store(BLOCK_EXPERT + b, tl.sum(before.to(tl.int64), 1), mask=b < num_blocks)
 
 
+@triton.jit
+def _route_one_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, rows,
+                      K: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr,
+                      R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """_route_align_kernel for one token: each expert's rank among the keys in one pass (no
+    k rounds of a maximum), and its group is a block of its own (k blocks, in expert order)."""
+    pdl_enter(PDL)
+    e = tl.arange(0, E_PAD)
+    real = e < num_experts
+    lg = tl.load(LOGITS + e, mask=real, other=float("-inf"))
+    ex = tl.exp(lg - tl.max(lg, 0))
+    probs = (ex / tl.sum(ex, 0)).to(tl.float32)
+    # NOTE: the keys of _route_align_kernel (distinct: the index is in them); rank: how many beat
+    # it, so the k chosen are ranks 0..k-1, in the slots' order
+    key = tl.where(real, (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - e),
+                   -1)
+    rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
+    chosen = real & (rank < K)
+    weight = probs
+    if RENORM:
+        weight = probs / tl.sum(tl.where(chosen, probs, 0.0), 0)
+    tl.store(WEIGHTS + rank, weight, mask=chosen)
+    tl.store(EXPERTS + rank, e.to(tl.int64), mask=chosen)
+    block = tl.cumsum(chosen.to(tl.int32), 0) - 1  # NOTE: chosen experts before it, itself too
+    r = tl.arange(0, R_PAD)
+    tl.store(IDS + r, tl.zeros((R_PAD,), dtype=tl.int64) + K, mask=r < rows)
+    tl.debug_barrier()  # NOTE: the padding ids first, then each block's one pair over them
+    tl.store(IDS + block * BLOCK_M, rank.to(tl.int64), mask=chosen)
+    tl.store(BLOCK_EXPERT + block, e.to(tl.int64), mask=chosen)
+
+
 def _pads(tokens: int, k: int) -> tuple[int, int]:
     """(T_PAD, K_PAD): powers of two, at least 16 pairs and 2 slots."""
     k_pad = max(2, triton.next_power_of_2(k))
@@ -134,10 +166,10 @@ def _pads(tokens: int, k: int) -> tuple[int, int]:
 
 
 def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
-                num_warps: int | None = None, pdl: bool = False):
+                num_warps: int | None = None, pdl: bool = False, one: bool | None = None):
     """float64 router logits [T, E] -> (weights [T, k] float32, experts [T, k], pair ids grouped
     by expert, each block's expert): MoE.route and align_pairs in one launch. num_warps: None
-    for ROUTE_WARPS."""
+    for ROUTE_WARPS; one: the one-token kernel (None: when T is 1 and E at most ONE_EXPERTS)."""
     tokens, num_experts = logits.shape
     pairs = tokens * k
     assert pairs <= MAX_PAIRS, "route_align is for decode sizes"
@@ -147,10 +179,20 @@ def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
     experts = torch.empty(tokens, k, dtype=torch.int64, device=dev)
     ids = torch.empty(rows, dtype=torch.int64, device=dev)
     block_expert = torch.empty(rows // block_m, dtype=torch.int64, device=dev)
+    e_pad = triton.next_power_of_2(num_experts)
+    if one is None:
+        one = tokens == 1 and e_pad <= ONE_EXPERTS
+    if one:
+        assert tokens == 1 and rows == k * block_m  # NOTE: k <= E: one block per chosen expert
+        _route_one_kernel[(1,)](
+            logits.contiguous(), weights, experts, ids, block_expert, num_experts, rows, K=k,
+            RENORM=renormalize, E_PAD=e_pad, R_PAD=triton.next_power_of_2(rows),
+            BLOCK_M=block_m, PDL=pdl, num_warps=num_warps or ROUTE_WARPS, launch_pdl=pdl)
+        return weights, experts, ids, block_expert
     t_pad, k_pad = _pads(tokens, k)
     _route_align_kernel[(1,)](
         logits.contiguous(), weights, experts, ids, block_expert, tokens, num_experts, rows,
-        rows // block_m, K=k, RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts),
+        rows // block_m, K=k, RENORM=renormalize, E_PAD=e_pad,
         T_PAD=t_pad, K_PAD=k_pad, R_PAD=triton.next_power_of_2(rows),
         B_PAD=max(16, triton.next_power_of_2(rows // block_m)), BLOCK_M=block_m, PDL=pdl,
         num_warps=num_warps or ROUTE_WARPS, launch_pdl=pdl)
