@@ -1,8 +1,7 @@
 """A mixture-of-experts layer's decode pieces on the GPU, Qwen3-30B-A3B shape (hidden 2048, 128
 experts, top 8, intermediate 768, bf16, random weights and routers): the router's float64 logits
 (router_logits at decode sizes, beside MoE.logits' cast + cuBLAS as "torch"), route_align, the
-gate_up and down grouped GEMMs, the pairs' sum, at batch 1 kernels/moe_gemv.py's two products in
-their place, and the whole MoE.forward. Each is timed inside a
+gate_up and down grouped GEMMs, the pairs' sum, and the whole MoE.forward. Each is timed inside a
 captured CUDA graph over `--layers` distinct layers (nothing from L2, launch cost as in the
 engine; at batch 1 chained by PDL as there), for its default launch config and a neighbour of it
 in each knob (at batch 1 a wider set of GEMM tiles): every candidate checked against the
@@ -30,7 +29,6 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from hsserve.kernels.moe import (SUM_CONFIG, GemmConfig, _grouped_gemm,  # noqa: E402
                                  align_pairs, block_rows, gemm_config, sum_pairs)
-from hsserve.kernels.moe_gemv import one_token_experts  # noqa: E402
 from hsserve.kernels.moe_route import (MAX_PAIRS, ROUTE_WARPS, ROUTER_EXPERTS,  # noqa: E402
                                        route_align, router_logits)
 from hsserve.kernels.pdl import pdl_on  # noqa: E402
@@ -203,15 +201,6 @@ def bench_experts(moes, xs, batch, routed, rows, best, defaults) -> float:
             return ys[i].view(batch, k, -1).sum(1)
         return sum_pairs(ys[i], k, cfg, pdl)
 
-    if batch == 1:  # NOTE: the decoder's batch-1 path: both products, the sum inside down's
-        def one(i, _cfg):
-            w, e, _, _ = routed[i]
-            return one_token_experts(xs[i], moes[i].gate_up, moes[i].down, w, e, pdl)
-
-        for i in range(calls):
-            close(one(i, None), sum_pairs(ys[i], k), "one_token vs grouped")
-        best["one_token"] = sweep(rows, batch, "one_token", [None], one, equal,
-                                  used * 3 * inter * hidden * 2 / TB * 1e6, calls)
     defaults["sum"] = SUM_CONFIG
     best["sum"] = sweep(rows, batch, "sum", SUM_CONFIGS + ["torch"], summed, torch_or_equal(1e-2),
                         0, calls)

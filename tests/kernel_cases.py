@@ -406,24 +406,6 @@ def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0, configs=
     _close(got.cpu(), ref, dtype, fp32_tol=1e-5)
 
 
-def check_moe_one_token(device, dtype, experts, k, hidden, inter, seed=0, pdl=False):
-    """one_token_experts (matrix-vector products, the sum inside down's) equals the reference's
-    float64 result for one token routed to k distinct experts."""
-    from hsserve.kernels.moe import experts_ref
-    from hsserve.kernels.moe_gemv import one_token_experts, one_token_fits
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(1, hidden, generator=g)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
-    down = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
-    weights, chosen = torch.topk(torch.randn(1, experts, generator=g).softmax(-1), k)
-    ref = experts_ref(x.double(), gate_up.double(), down.double(), weights.double(), chosen, True)
-    args = [t.to(device, dtype) for t in (x, gate_up, down)]
-    assert one_token_fits(*args, k) == (device == "cuda")
-    got = one_token_experts(*args, weights.to(device), chosen.to(device), pdl)
-    _close(got.cpu(), ref, dtype, fp32_tol=1e-5)
-
-
 def check_router_logits(device, dtype, tokens, experts, hidden, seed=0, block_e=None):
     """router_logits equals F.linear in float64 (to float64 rounding); identical router rows tie
     exactly (in one program's tile and across programs); a row's logits are the same bits alone

@@ -145,17 +145,6 @@ def test_moe_grouped_gemm_matches_reference(dtype, tokens, experts, k, hidden, i
     check_moe("cuda", dtype, tokens, experts, k, hidden, inter)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("experts, k, hidden, inter", [(128, 8, 2048, 768), (8, 2, 4096, 1024),
-                                                       (6, 3, 200, 70)])
-def test_moe_one_token_matches_reference(dtype, experts, k, hidden, inter):
-    # batch 1 of the Qwen3-30B-A3B shape, a Mixtral-like one (fewer rows), odd sizes; PDL on
-    from kernel_cases import check_moe_one_token
-
-    for pdl in (False, True):
-        check_moe_one_token("cuda", dtype, experts, k, hidden, inter, pdl=pdl)
-
-
 def test_moe_grouped_gemm_launch_configs():
     # launches other than gemm_config's at batch 1 and 16 of the Qwen3-30B-A3B shape (fewer
     # experts: a smaller reference)

@@ -131,11 +131,9 @@ def _align(IDS, BLOCK_EXPERT, chosen, pair, pairs, num_experts, rows, num_blocks
 @triton.jit
 def _route_one_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, rows,
                       K: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr,
-                      R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ALIGN: tl.constexpr,
-                      PDL: tl.constexpr):
+                      R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """_route_align_kernel for one token: each expert's rank among the keys in one pass (no
-    k rounds of a maximum), and its group is a block of its own (k blocks, in expert order);
-    ALIGN false: the routing only (kernels/moe_gemv.py needs no groups)."""
+    k rounds of a maximum), and its group is a block of its own (k blocks, in expert order)."""
     pdl_enter(PDL)
     e = tl.arange(0, E_PAD)
     real = e < num_experts
@@ -153,13 +151,12 @@ def _route_one_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, 
         weight = probs / tl.sum(tl.where(chosen, probs, 0.0), 0)
     tl.store(WEIGHTS + rank, weight, mask=chosen)
     tl.store(EXPERTS + rank, e.to(tl.int64), mask=chosen)
-    if ALIGN:
-        block = tl.cumsum(chosen.to(tl.int32), 0) - 1  # NOTE: chosen experts before it, and it
-        r = tl.arange(0, R_PAD)
-        tl.store(IDS + r, tl.zeros((R_PAD,), dtype=tl.int64) + K, mask=r < rows)
-        tl.debug_barrier()  # NOTE: the padding ids first, then each block's one pair over them
-        tl.store(IDS + block * BLOCK_M, rank.to(tl.int64), mask=chosen)
-        tl.store(BLOCK_EXPERT + block, e.to(tl.int64), mask=chosen)
+    block = tl.cumsum(chosen.to(tl.int32), 0) - 1  # NOTE: chosen experts before it, itself too
+    r = tl.arange(0, R_PAD)
+    tl.store(IDS + r, tl.zeros((R_PAD,), dtype=tl.int64) + K, mask=r < rows)
+    tl.debug_barrier()  # NOTE: the padding ids first, then each block's one pair over them
+    tl.store(IDS + block * BLOCK_M, rank.to(tl.int64), mask=chosen)
+    tl.store(BLOCK_EXPERT + block, e.to(tl.int64), mask=chosen)
 
 
 def _pads(tokens: int, k: int) -> tuple[int, int]:
@@ -169,12 +166,10 @@ def _pads(tokens: int, k: int) -> tuple[int, int]:
 
 
 def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
-                num_warps: int | None = None, pdl: bool = False, one: bool | None = None,
-                align: bool = True):
+                num_warps: int | None = None, pdl: bool = False, one: bool | None = None):
     """float64 router logits [T, E] -> (weights [T, k] float32, experts [T, k], pair ids grouped
     by expert, each block's expert): MoE.route and align_pairs in one launch. num_warps: None
-    for ROUTE_WARPS; one: the one-token kernel (None: when T is 1 and E at most ONE_EXPERTS);
-    align false: the one-token kernel may leave the ids and blocks unwritten."""
+    for ROUTE_WARPS; one: the one-token kernel (None: when T is 1 and E at most ONE_EXPERTS)."""
     tokens, num_experts = logits.shape
     pairs = tokens * k
     assert pairs <= MAX_PAIRS, "route_align is for decode sizes"
@@ -192,8 +187,7 @@ def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
         _route_one_kernel[(1,)](
             logits.contiguous(), weights, experts, ids, block_expert, num_experts, rows, K=k,
             RENORM=renormalize, E_PAD=e_pad, R_PAD=triton.next_power_of_2(rows),
-            BLOCK_M=block_m, ALIGN=align, PDL=pdl, num_warps=num_warps or ROUTE_WARPS,
-            launch_pdl=pdl)
+            BLOCK_M=block_m, PDL=pdl, num_warps=num_warps or ROUTE_WARPS, launch_pdl=pdl)
         return weights, experts, ids, block_expert
     t_pad, k_pad = _pads(tokens, k)
     _route_align_kernel[(1,)](

@@ -2,11 +2,10 @@
 experts by softmax probability (renormalized over the chosen when the model says so), and the
 token's output is the weighted sum of those experts' SwiGLU MLPs.
 
-The experts run in kernels/moe.py (a grouped GEMM on CUDA, its torch reference elsewhere; at
-batch 1 kernels/moe_gemv.py's matrix-vector products). The router's logits are computed in
-float64: a product's last bits may depend on how many rows it has (the BLAS picks its kernel by
-shape), and in float32 that could flip a near-tie between two experts with the batch's
-composition; an exact tie (identical router rows) stays exact and goes
+The experts run in kernels/moe.py (a grouped GEMM on CUDA, its torch reference elsewhere). The
+router's logits are computed in float64: a product's last bits may depend on how many rows it has
+(the BLAS picks its kernel by shape), and in float32 that could flip a near-tie between two
+experts with the batch's composition; an exact tie (identical router rows) stays exact and goes
 the same way whatever the batch. At decode sizes on CUDA the logits come from router_logits
 (kernels/moe_route.py: the same float64 sums of exact products, chained with the routing and the
 experts' launches); a near-tie within float64 rounding could go either way between it and the
@@ -20,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts
-from hsserve.kernels.moe_gemv import one_token_experts, one_token_fits
 from hsserve.kernels.moe_route import MAX_PAIRS, route_align, router_logits
 from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
@@ -70,15 +68,11 @@ class MoE(nn.Module):
         # NOTE: on CUDA the grouped GEMM (no host sync: capturable); elsewhere its reference
         if self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
             pdl = pdl_on(x)
-            one = one_token_fits(x, self.gate_up, self.down, self.top_k)
             weights, experts, ids, blocks = route_align(
                 router_logits(x, self.router, pdl), self.top_k, self.renormalize,
-                block_rows(len(x) * self.top_k), pdl=pdl, align=not one)
-            if one:  # NOTE: batch 1: matrix-vector products, the sum inside down's
-                out = one_token_experts(x, self.gate_up, self.down, weights, experts, pdl)
-            else:
-                out = fused_experts(x, self.gate_up, self.down, weights, experts,
-                                    self.weigh_in_float, (ids, blocks), pdl=pdl)
+                block_rows(len(x) * self.top_k), pdl=pdl)
+            out = fused_experts(x, self.gate_up, self.down, weights, experts, self.weigh_in_float,
+                                (ids, blocks), pdl=pdl)
         else:
             weights, experts = self.route(x, router_input)
             run = fused_experts if x.is_cuda else experts_ref
