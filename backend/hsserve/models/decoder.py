@@ -167,8 +167,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_norm(x, residual)
         h = self.attn(h, rope, batch, kv)
         # NOTE: a BLAS router reads the normed rows in float64: the norm writes them (no cast)
-        moe = isinstance(self.mlp, MoE) and not self.mlp.routes_in_kernel(h)
-        h64 = h.new_empty(h.shape, dtype=torch.float64) if moe else None
+        h64 = self.mlp.router_input_buffer(h) if isinstance(self.mlp, MoE) else None
         h, residual = self.post_attn_norm(h, residual, out64=h64)
         return (self.mlp(h) if h64 is None else self.mlp(h, router_input=h64)), residual
 

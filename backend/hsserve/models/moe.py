@@ -61,6 +61,11 @@ class MoE(nn.Module):
         """Whether x's rows are routed by the decode kernels (no float64 copy of x needed)."""
         return x.is_cuda and len(x) * self.top_k <= MAX_PAIRS
 
+    def router_input_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Room for x's rows in float64, for the norm before to fill: None when the decode kernels
+        route x (they widen it themselves)."""
+        return None if self.routes_in_kernel(x) else x.new_empty(x.shape, dtype=torch.float64)
+
     def forward(self, x: torch.Tensor, folded_eps: float | None = None,
                 router_input: torch.Tensor | None = None) -> torch.Tensor:
         """router_input: x in float64, when the norm before wrote it (else cast here)."""
