@@ -61,6 +61,15 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, pdl: bool = False,
 
 
 @triton.jit
+def _keys(probs, e, real, E_PAD: tl.constexpr):
+    """Each expert's sort key: its probability's bits (>= 0: ordered as the floats) over its
+    index reversed, so the largest key is the largest probability, the lowest index on a tie;
+    -1 where not real (never chosen)."""
+    return tl.where(real, (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - e),
+                    -1)
+
+
+@triton.jit
 def _route_align_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, tokens, num_experts,
                         rows, num_blocks, K: tl.constexpr, RENORM: tl.constexpr,
                         E_PAD: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -77,10 +86,7 @@ def _route_align_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, tokens, num
     lg = lg - tl.max(lg, 1)[:, None]
     ex = tl.exp(lg)
     probs = (ex / tl.sum(ex, 1)[:, None]).to(tl.float32)
-    # NOTE: a probability's bits (>= 0: ordered as the floats) over the expert index reversed:
-    # one max is the largest probability, the lowest index on a tie; -1: never chosen
-    key = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - e)[None, :]
-    key = tl.where(real, key, -1)
+    key = _keys(probs, e[None, :], real, E_PAD)
     chosen = tl.zeros((T_PAD, K_PAD), dtype=tl.int32)
     weight = tl.zeros((T_PAD, K_PAD), dtype=tl.float32)
     total = tl.zeros((T_PAD,), dtype=tl.float32)
@@ -140,10 +146,9 @@ def _route_one_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, 
     lg = tl.load(LOGITS + e, mask=real, other=float("-inf"))
     ex = tl.exp(lg - tl.max(lg, 0))
     probs = (ex / tl.sum(ex, 0)).to(tl.float32)
-    # NOTE: the keys of _route_align_kernel (distinct: the index is in them); rank: how many beat
-    # it, so the k chosen are ranks 0..k-1, in the slots' order
-    key = tl.where(real, (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - e),
-                   -1)
+    # NOTE: the keys are distinct (the index is in them); rank: how many beat it, so the k chosen
+    # are ranks 0..k-1, in the slots' order
+    key = _keys(probs, e, real, E_PAD)
     rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
     chosen = real & (rank < K)
     weight = probs
