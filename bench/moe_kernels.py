@@ -1,7 +1,8 @@
 """A mixture-of-experts layer's decode pieces on the GPU, Qwen3-30B-A3B shape (hidden 2048, 128
 experts, top 8, intermediate 768, bf16, random weights and routers): the router's float64 logits
 (router_logits at decode sizes, beside MoE.logits' cast + cuBLAS as "torch"), route_align, the
-gate_up and down grouped GEMMs, the pairs' sum, and the whole MoE.forward. Each is timed inside a
+gate_up and down grouped GEMMs, the pairs' sum, and the whole MoE.forward (also as the folded
+layers run it: the residual stream in, the output added into it). Each is timed inside a
 captured CUDA graph over `--layers` distinct layers (nothing from L2, launch cost as in the
 engine; at batch 1 chained by PDL as there), for its default launch config and a neighbour of it
 in each knob (at batch 1 a wider set of GEMM tiles): every candidate checked against the
@@ -95,6 +96,11 @@ def equal(got, want, cfg):
     for a, b in zip(got if isinstance(got, tuple) else (got,),
                     want if isinstance(want, tuple) else (want,)):
         assert torch.equal(a, b), cfg
+
+
+def finite(got, want, cfg):
+    """For what runs in place (each run adds into the last one's result): no inf or NaN."""
+    assert torch.isfinite(got).all(), cfg
 
 
 def same_routing(got, want, cfg):
@@ -219,6 +225,11 @@ def bench_batch(moes: list[MoE], batch: int, rows: list) -> None:
     floor = (e * hidden * 2 + used * 3 * inter * hidden * 2) / TB * 1e6
     best["forward"] = sweep(rows, batch, "forward", [None], lambda i, _c: moes[i](xs[i]), equal,
                             floor, len(moes))
+    # NOTE: as the folded layers run it: the stream in, normed by the router, the sum added into it
+    streams = [x.clone() for x in xs]
+    best["forward_folded"] = sweep(rows, batch, "forward_folded", [None],
+                                   lambda i, _c: moes[i](streams[i], folded_eps=1e-6), finite,
+                                   floor, len(moes))
     for piece, row in best.items():
         default = defaults.get(piece)
         default = default._asdict() if isinstance(default, GemmConfig) else default

@@ -390,7 +390,7 @@ def check_token_logprob(device, rows, vocab, seed=0):
 def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0, configs=(None, None)):
     """The grouped expert GEMM (gate_up's and down's launch configs given or gemm_config's) equals
     the reference's float64 result (float32 weights either way: Mixtral's), every token routed to
-    k distinct experts, some experts unused."""
+    k distinct experts, some experts unused; `into` adds the same rows into a stream."""
     from hsserve.kernels.moe import experts_ref, fused_experts
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -401,9 +401,13 @@ def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0, configs=
     logits[:, -1] = -1e9  # NOTE: the last expert is never chosen
     weights, chosen = torch.topk(logits.softmax(-1), k)
     ref = experts_ref(x.double(), gate_up.double(), down.double(), weights.double(), chosen, True)
-    got = fused_experts(*(t.to(device, dtype) for t in (x, gate_up, down)), weights.to(device),
-                        chosen.to(device), True, configs=configs)
+    args = (*(t.to(device, dtype) for t in (x, gate_up, down)), weights.to(device),
+            chosen.to(device), True)
+    got = fused_experts(*args, configs=configs)
     _close(got.cpu(), ref, dtype, fp32_tol=1e-5)
+    stream = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    into = fused_experts(*args, configs=configs, into=stream.clone())  # NOTE: added in place
+    assert torch.equal(into, (stream.float() + got.float()).to(dtype))
 
 
 def check_router_logits(device, dtype, tokens, experts, hidden, seed=0, block_e=None):
@@ -446,3 +450,29 @@ def check_route_align(device, tokens, experts, k, renormalize, seed=0, num_warps
     ref_ids, ref_blocks = align_pairs(e.cpu(), experts, 16)
     assert torch.equal(blocks.cpu(), ref_blocks)
     assert torch.equal(ids.cpu(), ref_ids)  # NOTE: both keep the pairs' order within a group
+
+
+def check_decode_route(device, dtype, tokens, experts, hidden, k, renormalize, seed=0):
+    """decode_route (with the ticket: one launch at one token) equals router_logits then
+    route_align, bit for bit, and leaves the ticket zero (a second call alike); with norm_eps the
+    router norms the stream itself: its normed rows are add_rmsnorm's with a weight of ones (to a
+    rounding of the scale) and its routing is that of those rows."""
+    from hsserve.kernels.elementwise import add_rmsnorm_ref
+    from hsserve.kernels.moe_route import decode_route, route_align, router_logits
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (3 * torch.randn(tokens, hidden, generator=g)).to(device, dtype)
+    w = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(device, dtype)
+    w[1] = w[0]  # NOTE: a tie
+    ticket = torch.zeros(1, dtype=torch.int32, device=device)
+    for norm_eps in (None, 1e-6):
+        for _ in range(2):
+            rows, got = decode_route(x, w, k, renormalize, 16, norm_eps=norm_eps, ticket=ticket)
+            assert ticket.item() == 0
+            want = route_align(router_logits(rows, w), k, renormalize, 16)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+        if norm_eps is not None:
+            ref = add_rmsnorm_ref(x.double(), None, torch.ones(hidden, dtype=torch.float64,
+                                                               device=device), norm_eps)[0]
+            _close(rows, ref, dtype)

@@ -182,6 +182,17 @@ def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, hidden, k, renormalize", [
+    (1, 128, 2048, 8, False), (1, 8, 4096, 2, True), (1, 60, 200, 4, True), (5, 128, 2048, 8, True)])
+def test_moe_decode_route_matches_router_then_route_align(dtype, tokens, experts, hidden, k,
+                                                          renormalize):
+    # Qwen3-30B-A3B, Mixtral, odd sizes at one token (one launch); five tokens (two)
+    from kernel_cases import check_decode_route
+
+    check_decode_route("cuda", dtype, tokens, experts, hidden, k, renormalize)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 24])
 def test_attention_kernels_soft_cap(dtype, window):
     # Gemma 2's capping in both attention kernels (its decode graphs and prefill)

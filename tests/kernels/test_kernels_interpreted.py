@@ -154,6 +154,14 @@ def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
         check_route_align("cpu", tokens, experts, k, renormalize, one=False)
 
 
+@pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 16, 4, True), (1, 6, 3, False),
+                                                             (3, 8, 2, True)])
+def test_moe_decode_route_matches_router_then_route_align(tokens, experts, k, renormalize):
+    from kernel_cases import check_decode_route
+
+    check_decode_route("cpu", torch.float32, tokens, experts, 40, k, renormalize)
+
+
 @pytest.mark.parametrize("window", [None, 24])
 def test_attention_kernels_soft_cap(window):
     # Gemma 2: scores capped (softcap * tanh(s / softcap)) before the mask, decode and varlen

@@ -26,7 +26,7 @@ def model_with_norm_weights(source: str, folder: str):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral"])
 def test_folded_layers_match_transformers(family, tiny_model_dir, tmp_path, monkeypatch):
     hf = model_with_norm_weights(tiny_model_dir(family), str(tmp_path))
     monkeypatch.setattr(loader, "fold_norms_on", lambda device: True)
@@ -51,8 +51,9 @@ def test_folded_layers_match_transformers(family, tiny_model_dir, tmp_path, monk
         assert max_rel_row_diff(r.hidden, ref, len(layers)) <= 1e-3
 
 
-@pytest.mark.parametrize("family, folds", [("llama", True), ("qwen2", False), ("qwen3", False)])
-def test_only_layers_without_qkv_bias_or_qk_norm_fold(family, folds, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("family, folds", [("llama", True), ("qwen2", False), ("qwen3", True),
+                                           ("qwen3_moe", True), ("gemma3", False)])
+def test_only_layers_without_qkv_bias_or_gemma_norms_fold(family, folds, tiny_model_dir, tmp_path):
     from hsserve.models.loader import load_model
 
     model_with_norm_weights(tiny_model_dir(family), str(tmp_path))

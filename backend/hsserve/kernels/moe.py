@@ -139,31 +139,40 @@ def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights,
 
 
 @triton.jit
-def _sum_pairs_kernel(Y, OUT, H, K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """OUT[t] = Y[t K] + ... + Y[t K + K - 1] in float32, in that order, cast once."""
+def _sum_pairs_kernel(Y, OUT, H, K: tl.constexpr, BLOCK_H: tl.constexpr, INTO: tl.constexpr,
+                      PDL: tl.constexpr):
+    """OUT[t] = Y[t K] + ... + Y[t K + K - 1] in float32, in that order, cast once; INTO: that
+    sum added to OUT[t] (cast again: the add of a layer's output to the residual stream)."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(K):
         acc += tl.load(Y + (t * K + j) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
-    tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=cols < H)
+    y = acc.to(OUT.dtype.element_ty)
+    if INTO:
+        y = (tl.load(OUT + t * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+             + y.to(tl.float32)).to(OUT.dtype.element_ty)
+    tl.store(OUT + t * H + cols, y, mask=cols < H)
 
 
 SUM_CONFIG = (256, 1)  # NOTE: (BLOCK_H, num_warps): a warp's 16-byte loads of bf16 (others: noise)
 
 
 def sum_pairs(y: torch.Tensor, k: int, config: tuple[int, int] | None = None,
-              pdl: bool = False) -> torch.Tensor:
+              pdl: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
     """y [tokens * k, H] (each token's k pairs in a row) -> [tokens, H]: the pairs' sum in a
-    fixed order (deterministic). config: (BLOCK_H, num_warps), SUM_CONFIG by default."""
+    fixed order (deterministic); added to `into` in place and returned when given (as
+    into.add_(sum)). config: (BLOCK_H, num_warps), SUM_CONFIG by default."""
     pairs, hidden = y.shape
     assert y.is_contiguous() and pairs % k == 0
-    out = torch.empty(pairs // k, hidden, dtype=y.dtype, device=y.device)
+    out = into if into is not None else torch.empty(pairs // k, hidden, dtype=y.dtype,
+                                                    device=y.device)
+    assert out.is_contiguous() and out.shape == (pairs // k, hidden)
     block_h, warps = config or SUM_CONFIG
-    _sum_pairs_kernel[(pairs // k, triton.cdiv(hidden, block_h))](y, out, hidden, K=k,
-                                                                  BLOCK_H=block_h, PDL=pdl,
-                                                                  num_warps=warps, launch_pdl=pdl)
+    _sum_pairs_kernel[(pairs // k, triton.cdiv(hidden, block_h))](
+        y, out, hidden, K=k, BLOCK_H=block_h, INTO=into is not None, PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
     return out
 
 
@@ -176,11 +185,12 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   weights: torch.Tensor, experts: torch.Tensor, weigh_in_float: bool,
                   aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
                   configs: tuple[GemmConfig | None, GemmConfig | None] = (None, None),
-                  pdl: bool = False) -> torch.Tensor:
+                  pdl: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
     """experts_ref's result through the grouped GEMM (routing weights applied in float32 either
     way: the kernel's accumulator is float32). aligned: align_pairs' result for block_rows,
     when already made (kernels/moe_route.py); configs: gate_up's and down's launches (None:
-    gemm_config's); pdl: the launches chained (kernels/pdl.py's pdl_on of x)."""
+    gemm_config's); pdl: the launches chained (kernels/pdl.py's pdl_on of x); into: the result
+    added to it in place (sum_pairs')."""
     tokens, k = experts.shape
     block_m = block_rows(tokens * k)
     ids, block_expert = aligned or align_pairs(experts, gate_up.shape[0], block_m)
@@ -190,4 +200,4 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                       block_m, configs[0], pdl)
     y = _grouped_gemm(h, down, ids, block_expert, pairs, down.shape[1], 1, False,
                       weights.float().reshape(-1).contiguous(), block_m, configs[1], pdl)
-    return sum_pairs(y, k, pdl=pdl)
+    return sum_pairs(y, k, pdl=pdl, into=into)

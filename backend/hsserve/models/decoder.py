@@ -229,20 +229,19 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def fold_norms(self) -> bool:
         """Multiply each layer's input / post-attention norm weights into the columns of qkv /
-        gate_up (once, after loading); False, nothing done, where the layers cannot run folded:
-        q/k norm or a qkv bias (the scale must come before them), experts (the router reads the
-        normed rows), or float16 (the unnormalized stream through a GEMM could overflow it)."""
+        gate_up (experts: MoE.fold_norm; q/k norms come after the scale, rotary_store_), once,
+        after loading; False, nothing done, where the layers cannot run folded: a qkv bias (the
+        scale must come before it), Gemma's norms, or float16 (the unnormalized stream through a
+        GEMM could overflow it)."""
         if self.folded:
             return True  # NOTE: once: a second fold would apply the weights twice
         spec, w = self.spec, self.layers[0].attn.qkv.weight
-        if (spec.qk_norm or spec.qkv_bias or spec.num_experts or spec.gemma_norms or w is None
-                or w.dtype == torch.float16):
+        if spec.qkv_bias or spec.gemma_norms or w is None or w.dtype == torch.float16:
             return False
         for layer in self.layers:
-            for norm, linear in ((layer.input_norm, layer.attn.qkv),
-                                 (layer.post_attn_norm, layer.mlp.gate_up)):
-                w = linear.weight
-                w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
+            layer.attn.qkv.fold_norm(layer.input_norm.weight)
+            mlp = layer.mlp
+            (mlp if isinstance(mlp, MoE) else mlp.gate_up).fold_norm(layer.post_attn_norm.weight)
         self.folded = True
         return True
 

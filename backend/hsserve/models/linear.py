@@ -88,6 +88,13 @@ class Linear(nn.Module):
             return into.addmm_(x, self.weight.t())
         return into.add_(F.linear(x, self.weight, self.bias))
 
+    @torch.no_grad()
+    def fold_norm(self, weight: torch.Tensor) -> None:
+        """The norm before (its weight [in_features]) multiplied into the columns
+        (Decoder.fold_norms)."""
+        w = self.weight
+        w.copy_((w.float() * weight.float()[None, :]).to(w.dtype))
+
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether x W^T goes through our GEMV kernel (no bias; see gemv_fits); the fused
         GEMV-and-epilogue kernels of the decoder ask the same."""

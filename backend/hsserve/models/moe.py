@@ -10,6 +10,11 @@ the same way whatever the batch. At decode sizes on CUDA the logits come from ro
 (kernels/moe_route.py: the same float64 sums of exact products, chained with the routing and the
 experts' launches); a near-tie within float64 rounding could go either way between it and the
 BLAS, none that float32 or bfloat16 could tell apart.
+
+With the norms folded (Decoder.fold_norms, on CUDA) the layer takes the residual stream: the norm
+before it, without its weight (folded into the router and gate_up), is done by the router kernel
+at decode sizes (by add_rmsnorm above), and the output is added into the stream by the pairs'
+sum. At one token the router's last program also routes (kernels/moe_route.py decode_route).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts
-from hsserve.kernels.moe_route import MAX_PAIRS, route_align, router_logits
+from hsserve.kernels.elementwise import add_rmsnorm
+from hsserve.kernels.moe_route import MAX_PAIRS, decode_route
 from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
 
@@ -34,13 +40,29 @@ class MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
         self._router64: torch.Tensor | None = None  # NOTE: made by prepare(), after loading
+        self._ticket = self._ones = None
         # NOTE: Mixtral weighs an expert's output in float32, Qwen3-MoE in the model's dtype
         self.weigh_in_float = spec.family == "mixtral"
         self.reduce = None  # NOTE: tensor parallelism: each expert's rank share summed (Linear's)
 
     def prepare(self) -> None:
-        """After loading: the router's float64 copy (made here, not inside a graph capture)."""
+        """After loading: the router's float64 copy and the routing's ticket (made here, not
+        inside a graph capture)."""
         self._router64 = self.router.double()
+        self._ticket = torch.zeros(1, dtype=torch.int32, device=self.router.device)
+        self._ones = self.gate_up.new_ones(self.gate_up.shape[-1])  # NOTE: fold_norm's norm
+
+    @torch.no_grad()
+    def fold_norm(self, weight: torch.Tensor) -> None:
+        """The norm before (its weight [hidden]) folded into the router and every expert's gate_up
+        (Decoder.fold_norms): forward then takes the residual stream. The router's rows become
+        float32 (a product of two bfloat16 is exact in it: no rounding is added to the router)."""
+        w = weight.float()
+        for e in range(len(self.gate_up)):  # NOTE: an expert at a time: a small float32 copy
+            g = self.gate_up[e]
+            g.copy_((g.float() * w[None, :]).to(g.dtype))
+        self.router = nn.Parameter(self.router.float() * w[None, :], requires_grad=False)
+        self.prepare()
 
     def logits(self, x: torch.Tensor, x64: torch.Tensor | None = None) -> torch.Tensor:
         """The router's float64 logits [tokens, experts] (x64: x already widened)."""
@@ -68,18 +90,34 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, folded_eps: float | None = None,
                 router_input: torch.Tensor | None = None) -> torch.Tensor:
-        """router_input: x in float64, when the norm before wrote it (else cast here)."""
-        assert folded_eps is None, "a MoE layer's norms are never folded"
-        # NOTE: on CUDA the grouped GEMM (no host sync: capturable); elsewhere its reference
+        """x: the normed rows (router_input: them in float64, when the norm before wrote it, else
+        cast here) -> the experts' output. folded_eps (fold_norm's layers): x is the residual
+        stream, normed here without a weight, and the output is added into it (returned)."""
+        into = x if folded_eps is not None and self.reduce is None else None
+        if self._ticket is None:
+            self.prepare()
         if self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
             pdl = pdl_on(x)
-            weights, experts, ids, blocks = route_align(
-                router_logits(x, self.router, pdl), self.top_k, self.renormalize,
-                block_rows(len(x) * self.top_k), pdl=pdl)
-            out = fused_experts(x, self.gate_up, self.down, weights, experts, self.weigh_in_float,
-                                (ids, blocks), pdl=pdl)
+            rows, routed = decode_route(x, self.router, self.top_k, self.renormalize,
+                                        block_rows(len(x) * self.top_k), pdl, folded_eps,
+                                        self._ticket)
+            weights, experts, ids, blocks = routed
+            out = fused_experts(rows, self.gate_up, self.down, weights, experts,
+                                self.weigh_in_float, (ids, blocks), pdl=pdl, into=into)
         else:
-            weights, experts = self.route(x, router_input)
-            run = fused_experts if x.is_cuda else experts_ref
-            out = run(x, self.gate_up, self.down, weights, experts, self.weigh_in_float)
-        return out if self.reduce is None else self.reduce(out)
+            rows = x
+            if folded_eps is not None:  # NOTE: a weight of ones: the normed rows exactly
+                router_input = x.new_empty(x.shape, dtype=torch.float64)
+                rows = add_rmsnorm(x, None, self._ones, folded_eps, router_input)[0]
+            weights, experts = self.route(rows, router_input)
+            if x.is_cuda:
+                out = fused_experts(rows, self.gate_up, self.down, weights, experts,
+                                    self.weigh_in_float, into=into)
+            else:
+                out = experts_ref(rows, self.gate_up, self.down, weights, experts,
+                                  self.weigh_in_float)
+                out = out if into is None else into.add_(out)
+        if self.reduce is not None:
+            out = self.reduce(out)
+            out = out if folded_eps is None else x.add_(out)
+        return out
