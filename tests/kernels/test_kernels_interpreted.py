@@ -170,3 +170,11 @@ def test_attention_kernels_soft_cap(window):
     check_decode("cpu", torch.float32, 8, 2, 32, [1, 17, 50], window=window, num_splits=2,
                  softcap=5.0)
     check_varlen("cpu", torch.float32, 8, 2, 32, [(0, 19), (16, 5)], window=window, softcap=5.0)
+
+
+@pytest.mark.parametrize("experts, k, hidden, inter, config", [
+    (8, 2, 64, 48, None), (6, 3, 40, 24, (2, 4, 4)), (16, 8, 32, 16, (1, 1, 2))])
+def test_moe_one_token_experts_match_reference(experts, k, hidden, inter, config):
+    from kernel_cases import check_moe_one
+
+    check_moe_one("cpu", torch.float32, experts, k, hidden, inter, config=config)

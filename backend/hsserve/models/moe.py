@@ -14,7 +14,7 @@ BLAS, none that float32 or bfloat16 could tell apart.
 With the norms folded (Decoder.fold_norms, on CUDA) the layer takes the residual stream: the norm
 before it, without its weight (folded into the router and gate_up), is done by the router kernel
 at decode sizes (by add_rmsnorm above), and the output is added into the stream by the pairs'
-sum. At one token the router's last program also routes (kernels/moe_route.py decode_route).
+sum. At one token the router's last program also routes (kernels/moe_route.py decode_route), and its experts run in one launch (kernels/moe_one.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts
 from hsserve.kernels.elementwise import add_rmsnorm
+from hsserve.kernels.moe_one import counters, one_token_experts, one_token_fits
 from hsserve.kernels.moe_route import MAX_PAIRS, decode_route
 from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
@@ -40,7 +41,7 @@ class MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
         self._router64: torch.Tensor | None = None  # NOTE: made by prepare(), after loading
-        self._ticket = self._ones = None
+        self._ticket = self._ones = self._count = None
         # NOTE: Mixtral weighs an expert's output in float32, Qwen3-MoE in the model's dtype
         self.weigh_in_float = spec.family == "mixtral"
         self.reduce = None  # NOTE: tensor parallelism: each expert's rank share summed (Linear's)
@@ -50,6 +51,7 @@ class MoE(nn.Module):
         inside a graph capture)."""
         self._router64 = self.router.double()
         self._ticket = torch.zeros(1, dtype=torch.int32, device=self.router.device)
+        self._count = counters(self.router.device)
         self._ones = self.gate_up.new_ones(self.gate_up.shape[-1])  # NOTE: fold_norm's norm
 
     @torch.no_grad()
@@ -102,8 +104,12 @@ class MoE(nn.Module):
                                         block_rows(len(x) * self.top_k), pdl, folded_eps,
                                         self._ticket)
             weights, experts, ids, blocks = routed
-            out = fused_experts(rows, self.gate_up, self.down, weights, experts,
-                                self.weigh_in_float, (ids, blocks), pdl=pdl, into=into)
+            if one_token_fits(rows, self.gate_up, self.down, self.top_k):  # NOTE: one launch
+                out = one_token_experts(rows, self.gate_up, self.down, weights, experts,
+                                        self._count, into=into, pdl=pdl)
+            else:
+                out = fused_experts(rows, self.gate_up, self.down, weights, experts,
+                                    self.weigh_in_float, (ids, blocks), pdl=pdl, into=into)
         else:
             rows = x
             if folded_eps is not None:  # NOTE: a weight of ones: the normed rows exactly
