@@ -497,10 +497,80 @@ def check_moe_one(device, dtype, experts, k, hidden, inter, seed=0, config=None,
             chosen.to(device))
     count = counters(device)
     got = one_token_experts(*args, count, config=config, pdl=pdl)
-    assert count.tolist() == [0, 0, 0]
+    assert count.tolist() == [0] * len(count)
     _close(got.cpu(), ref, dtype, fp32_tol=1e-5)
     assert torch.equal(one_token_experts(*args, count, config=config, pdl=pdl), got)
     stream = torch.randn(1, hidden, generator=g).to(device, dtype)
     into = one_token_experts(*args, count, into=stream.clone(), config=config, pdl=pdl)
     assert torch.equal(into, (stream.float() + got.float()).to(dtype))
-    assert count.tolist() == [0, 0, 0]
+    assert count.tolist() == [0] * len(count)
+
+
+def check_moe_one_layer(device, dtype, experts, k, hidden, inter, renormalize, seed=0,
+                        config=None, pdl=False):
+    """one_token_moe (router, routing, experts, sum: one launch) equals MoE.route's routing of the
+    float64 logits, then the reference's float64 experts; with norm_eps the stream is RMS-normed
+    first (add_rmsnorm's formula, a weight of ones) and into adds the row into it; the counters
+    are zero again after each launch."""
+    from hsserve.kernels.moe import experts_ref
+    from hsserve.kernels.moe_one import counters, one_token_moe
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (3 * torch.randn(1, hidden, generator=g)).to(device, dtype)
+    router = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(device, dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(device, dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(device, dtype)
+    count = counters(device)
+    for norm_eps in (None, 1e-6):
+        rows = x
+        if norm_eps is not None:  # NOTE: the kernel's formula: float32, one rounding
+            xf = x.float()
+            rows = (xf * torch.rsqrt((xf * xf).sum() / hidden + norm_eps)).to(dtype)
+        probs = torch.softmax(torch.nn.functional.linear(rows.double(), router.double()), -1)
+        weights, chosen = torch.topk(probs.float(), k)
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        ref = experts_ref(rows.double(), gate_up.double(), down.double(), weights.double(),
+                          chosen, True)
+        got = one_token_moe(x, router, gate_up, down, k, renormalize, count, norm_eps,
+                            pdl=pdl, config=config)
+        assert count.tolist() == [0] * len(count)
+        _close(got.cpu(), ref.cpu(), dtype, fp32_tol=1e-5)
+        stream = x.clone()
+        into = one_token_moe(stream, router, gate_up, down, k, renormalize, count, norm_eps,
+                             into=stream, pdl=pdl, config=config)
+        assert into is stream and torch.equal(into, (x.float() + got.float()).to(dtype))
+        assert count.tolist() == [0] * len(count)
+
+
+def check_gemv_head_norm(device, dtype, heads, kv_heads, head_dim, k, rms, seed=0):
+    """gemv_head_norm_store (the qkv GEMV, then each head's q/k norm, rotary and cache writes
+    by its last program) equals the reference product, then what rotary_store_ does with qk_norm;
+    a negative slot writes nothing; the tickets are zero again after each launch."""
+    from hsserve.kernels.elementwise import rms_inverse_ref
+    from hsserve.kernels.gemv import gemv_head_norm_store, gemv_ref
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = (heads + 2 * kv_heads) * head_dim
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+    qw, kw = (1 + 0.3 * torch.randn(2, head_dim, generator=g)).to(device, dtype)
+    tickets = torch.zeros(heads + 2 * kv_heads, dtype=torch.int32, device=device)
+    for slot, pos in ((17, 700.0), (-1, 3.0), (63, 5000.0)):
+        x = (3 * torch.randn(1, k, generator=g)).to(device, dtype)
+        kv = torch.randn(2, 4, 16, kv_heads, head_dim, generator=g).to(device, dtype)
+        slots = torch.tensor([slot], device=device)
+        cos, sin = _rope([pos], head_dim, device)
+        qkv = gemv_ref(x.double(), w.double()).view(1, -1, head_dim)
+        if rms:
+            qkv = qkv * rms_inverse_ref(x.double(), 1e-5)[:, :, None]
+        for nw, lo, hi in ((qw, 0, heads), (kw, heads, heads + kv_heads)):
+            part = qkv[:, lo:hi]
+            part *= torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+        want_q, want_kv = _rotary_store_expected(qkv, heads, kv_heads, cos, sin, kv, slots)
+        q = gemv_head_norm_store(x, w, heads, kv_heads, cos, sin, kv, slots, (qw, kw, 1e-6),
+                                 tickets, 1e-5 if rms else None)
+        assert tickets.tolist() == [0] * len(tickets)
+        _close(q, want_q, dtype)
+        if slot < 0:
+            assert torch.equal(kv.double(), want_kv)
+        _close(kv, want_kv, dtype)

@@ -176,6 +176,19 @@ def test_moe_one_token_experts_match_reference(dtype, experts, k, hidden, inter)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts, k, hidden, inter, renormalize", [
+    (128, 8, 2048, 768, True), (8, 2, 1024, 1536, False), (60, 6, 200, 48, True)])
+def test_moe_one_token_layer_matches_reference(dtype, experts, k, hidden, inter, renormalize):
+    # the whole layer in one launch: Qwen3-30B-A3B, Mixtral-like, odd sizes and a top-6
+    from kernel_cases import check_moe_one_layer
+
+    for config in (None, (2, 1, 4)):
+        for pdl in (False, True):
+            check_moe_one_layer("cuda", dtype, experts, k, hidden, inter, renormalize,
+                                config=config, pdl=pdl)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, experts, hidden", [(1, 128, 2048), (16, 128, 2048), (9, 8, 4096),
                                                      (3, 6, 200)])
 def test_moe_router_logits_matches_float64(dtype, tokens, experts, hidden):

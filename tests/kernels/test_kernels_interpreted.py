@@ -178,3 +178,19 @@ def test_moe_one_token_experts_match_reference(experts, k, hidden, inter, config
     from kernel_cases import check_moe_one
 
     check_moe_one("cpu", torch.float32, experts, k, hidden, inter, config=config)
+
+
+@pytest.mark.parametrize("experts, k, hidden, inter, renormalize", [
+    (16, 4, 64, 48, True), (6, 3, 40, 24, False), (5, 5, 32, 16, True)])
+def test_moe_one_token_layer_matches_reference(experts, k, hidden, inter, renormalize):
+    from kernel_cases import check_moe_one_layer
+
+    check_moe_one_layer("cpu", torch.float32, experts, k, hidden, inter, renormalize)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms", [(4, 2, 16, 512, True),
+                                                               (3, 1, 32, 256, False)])
+def test_gemv_head_norm_store_matches_reference(heads, kv_heads, head_dim, k, rms):
+    from kernel_cases import check_gemv_head_norm
+
+    check_gemv_head_norm("cpu", torch.float32, heads, kv_heads, head_dim, k, rms)

@@ -172,18 +172,18 @@ def add_rmsnorm_triton(x, residual, weight, eps, out64: torch.Tensor | None = No
 
 
 @triton.jit
-def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c, scale, NW, eps,
+def rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c, scale, NW, eps,
                   COUNT: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr,
-                  NORM: tl.constexpr):
+                  NORM: tl.constexpr, CACHE: tl.constexpr = ""):
     """Heads h0..h0+COUNT-1 of token t times `scale`, each RMS-normed by the weight NW [2 HALF]
     when NORM (Qwen3's q/k norm), rotated (float32 math, one rounding): two [PAD, HALF] halves
-    and their row mask."""
+    and their row mask. CACHE: the loads' cache modifier (".cg": written by this launch)."""
     j = tl.arange(0, PAD)
     i = tl.arange(0, HALF)
     rows = (j < COUNT)[:, None]
     src = QKV + t * stride_t + (h0 + j)[:, None] * stride_h + i[None, :]
-    x1 = tl.load(src, mask=rows, other=0.0)
-    x2 = tl.load(src + HALF, mask=rows, other=0.0)
+    x1 = tl.load(src, mask=rows, other=0.0, cache_modifier=CACHE)
+    x2 = tl.load(src + HALF, mask=rows, other=0.0, cache_modifier=CACHE)
     c = tl.load(COS + t * stride_c + i)[None, :]
     s = tl.load(SIN + t * stride_c + i)[None, :]
     a, b = x1.to(tl.float32) * scale, x2.to(tl.float32) * scale
@@ -198,7 +198,7 @@ def _rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c, scale, NW,
 def _rotary_kernel(X, COS, SIN, stride_t, stride_h, stride_c,
                    HEADS: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0)
-    r1, r2, rows, src = _rotate_heads(X, COS, SIN, t, 0, stride_t, stride_h, stride_c, 1.0, X,
+    r1, r2, rows, src = rotate_heads(X, COS, SIN, t, 0, stride_t, stride_h, stride_c, 1.0, X,
                                       0.0, HEADS, PAD, HALF, False)
     tl.store(src, r1, mask=rows)
     tl.store(src + HALF, r2, mask=rows)
@@ -227,14 +227,14 @@ def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, S, QW, KW, stride_t, stride_h
     scale = 1.0
     if HAS_RMS:
         scale = _rms_inverse(S, t, stride_s, n_s, eps, BLOCK_S)
-    q1, q2, rows, src = _rotate_heads(QKV, COS, SIN, t, 0, stride_t, stride_h, stride_c, scale,
+    q1, q2, rows, src = rotate_heads(QKV, COS, SIN, t, 0, stride_t, stride_h, stride_c, scale,
                                       QW, qk_eps, NUM_HEADS, HEADS_PAD, HALF, QK_NORM)
     tl.store(src, q1, mask=rows)
     tl.store(src + HALF, q2, mask=rows)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:
         # NOTE: new names: a variable assigned in a branch keeps its type (shape) in Triton
-        k1, k2, kv_rows, k_src = _rotate_heads(QKV, COS, SIN, t, NUM_HEADS, stride_t, stride_h,
+        k1, k2, kv_rows, k_src = rotate_heads(QKV, COS, SIN, t, NUM_HEADS, stride_t, stride_h,
                                                stride_c, scale, KW, qk_eps, NUM_KV_HEADS, KV_PAD,
                                                HALF, QK_NORM)
         j = tl.arange(0, KV_PAD)

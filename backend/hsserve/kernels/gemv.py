@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hsserve.kernels.elementwise import rotate_heads
 from hsserve.kernels.pdl import pdl_enter, pdl_on
 
 MAX_ROWS = 1  # NOTE: above one row cuBLAS wins (bench/README.md#gemv-slabs-and-pdl)
@@ -39,7 +40,11 @@ _MAX_ROW_BYTES = 32 << 10  # NOTE: one whole row of W per program at least; abov
 def gemv_fits(x: torch.Tensor, w: torch.Tensor | None) -> bool:
     """Whether gemv can take x W^T: CUDA, at most MAX_ROWS rows of unit stride, a contiguous W
     whose padded row fits a program."""
-    return (x.is_cuda and x.dim() == 2 and 0 < len(x) <= MAX_ROWS and x.stride(1) == 1
+    return x.is_cuda and _shapes_fit(x, w)
+
+
+def _shapes_fit(x: torch.Tensor, w: torch.Tensor | None) -> bool:
+    return (x.dim() == 2 and 0 < len(x) <= MAX_ROWS and x.stride(1) == 1
             and w is not None and w.is_contiguous() and w.dtype == x.dtype
             and triton.next_power_of_2(w.shape[1]) * w.element_size() <= _MAX_ROW_BYTES)
 
@@ -220,3 +225,98 @@ def gemv_rotary_store(x: torch.Tensor, w: torch.Tensor, num_heads: int, num_kv_h
         ROWS=rows, HAS_RMS=rms_eps is not None, PDL=pdl, W_POLICY=_W_POLICY,
         num_warps=warps, launch_pdl=pdl)
     return q
+
+
+@triton.jit
+def _gemv_head_norm_kernel(X, W, QKV, COS, SIN, KV, SLOTS, QW, KW, TICKETS, K, eps, qk_eps,
+                           stride_c, stride_half, stride_slot, stride_head,
+                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                           HALF: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr,
+                           HAS_RMS: tl.constexpr, PDL: tl.constexpr, W_POLICY: tl.constexpr):
+    # NOTE: one row; a program owns BLOCK_N rows of one head; the last of a head's programs
+    # to finish (its ticket) norms, rotates and stores the head whole
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, KP)
+    kmask = rk < K
+    w = _weights(W + rn[:, None].to(tl.int64) * K + rk[None, :], kmask, W_POLICY)
+    pdl_enter(PDL)
+    x = tl.load(X + rk, mask=kmask, other=0.0).to(tl.float32)
+    tl.store(QKV + rn, tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(QKV.dtype.element_ty))
+    head = pid * BLOCK_N // (2 * HALF)
+    tl.debug_barrier()  # NOTE: every thread's rows stored before the ticket
+    if tl.atomic_add(TICKETS + head, 1, sem="acq_rel", scope="gpu") == 2 * HALF // BLOCK_N - 1:
+        tl.store(TICKETS + head, 0)  # NOTE: zero again for the next launch
+        scale = 1.0
+        if HAS_RMS:  # NOTE: the folded norm's 1 / rms of x, as rotary_store_'s
+            scale = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
+        _store_head(QKV, COS, SIN, KV, SLOTS, QW, KW, head, scale, qk_eps, stride_c, stride_half,
+                    stride_slot, stride_head, NUM_HEADS, NUM_KV_HEADS, HALF)
+
+
+@triton.jit
+def _store_head(QKV, COS, SIN, KV, SLOTS, QW, KW, head, scale, qk_eps, stride_c, stride_half,
+                stride_slot, stride_head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                HALF: tl.constexpr):
+    """rotary_store_ with q/k norm for one head of one row (its values from L2: other programs
+    wrote them): a q head normed and rotated in place, a k head normed, rotated and written to
+    the cache, a v head scaled and written."""
+    i = tl.arange(0, HALF)[None, :]
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        nw = QW if head < NUM_HEADS else KW
+        a, b, _, src = rotate_heads(QKV, COS, SIN, 0, head, 0, 2 * HALF, stride_c, scale, nw,
+                                     qk_eps, 1, 1, HALF, True, ".cg")
+        if head < NUM_HEADS:
+            tl.store(src, a)
+            tl.store(src + HALF, b)
+        else:
+            slot = tl.load(SLOTS).to(tl.int64)
+            if slot >= 0:
+                dst = KV + slot * stride_slot + (head - NUM_HEADS) * stride_head + i
+                tl.store(dst, a)
+                tl.store(dst + HALF, b)
+    else:
+        slot = tl.load(SLOTS).to(tl.int64)
+        if slot >= 0:
+            src = QKV + head * 2 * HALF + i
+            v1 = tl.load(src, cache_modifier=".cg").to(tl.float32) * scale
+            v2 = tl.load(src + HALF, cache_modifier=".cg").to(tl.float32) * scale
+            kvh = head - NUM_HEADS - NUM_KV_HEADS
+            dst = KV + stride_half + slot * stride_slot + kvh * stride_head + i
+            tl.store(dst, v1.to(KV.dtype.element_ty))
+            tl.store(dst + HALF, v2.to(KV.dtype.element_ty))
+
+
+def head_norm_fits(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
+    """Whether gemv_head_norm_store takes x W^T: one row as gemv_fits has it (on any device:
+    the interpreter's tests), and a head's rows split evenly over the programs (gemv_config's
+    rows a program divide head_dim)."""
+    return (_shapes_fit(x, w) and len(x) == 1
+            and head_dim % gemv_config(w.shape[0], w.shape[1], w.element_size())[0] == 0)
+
+
+def gemv_head_norm_store(x: torch.Tensor, w: torch.Tensor, num_heads: int, num_kv_heads: int,
+                         cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                         slots: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float],
+                         tickets: torch.Tensor, rms_eps: float | None = None,
+                         pdl: bool | None = None) -> torch.Tensor:
+    """One row's fused qkv product with W [(heads + 2 * kv_heads) * head_dim, K], then what
+    rotary_store_ does with qk_norm (q weight, k weight, eps) and rms_of x: returns q [1, heads,
+    head_dim] normed and rotated; k (normed, rotated) and v go into one layer's cache at the
+    slot. tickets: int32 [heads + 2 * kv_heads], zero (zero again after). One launch."""
+    rows, k, pdl = _launch_args(x, w, pdl)
+    d = kv.shape[-1]
+    n = w.shape[0]
+    assert rows == 1 and n == (num_heads + 2 * num_kv_heads) * d and head_norm_fits(x, w, d)
+    assert tickets.dtype == torch.int32 and tickets.numel() >= n // d
+    qkv = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    flat = kv.view(2, -1, num_kv_heads, d)
+    qw, kw, qk_eps = qk_norm
+    block_n, warps = gemv_config(n, k, w.element_size())
+    _gemv_head_norm_kernel[(n // block_n,)](
+        x, w, qkv, cos, sin, flat, slots, qw, kw, tickets, k, rms_eps or 0.0, qk_eps,
+        cos.stride(0), flat.stride(0), flat.stride(1), flat.stride(2), NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HALF=d // 2, BLOCK_N=block_n, KP=triton.next_power_of_2(k),
+        HAS_RMS=rms_eps is not None, PDL=pdl, W_POLICY=_W_POLICY, num_warps=warps,
+        launch_pdl=pdl)
+    return qkv.view(1, -1, d)[:, :num_heads]

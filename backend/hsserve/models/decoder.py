@@ -13,8 +13,6 @@ down add into the stream in place inside their GEMM: two kernels fewer per layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,12 +20,13 @@ from torch import nn
 from hsserve.models.attention_batch import AttentionBatch
 from hsserve.models.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, cpu_ops, store_kv
-from hsserve.kernels.elementwise import (add_rmsnorm, embed_rotary, rms_inverse_ref, rotary_,
+from hsserve.kernels.elementwise import (add_rmsnorm, embed_rotary, rms_inverse_ref,
                                          rotary_store_, silu_mul)
-from hsserve.kernels.gemv import gemv, gemv_fits, gemv_rotary_store, gemv_silu_mul
+from hsserve.kernels.gemv import (gemv, gemv_fits, gemv_head_norm_store, gemv_rotary_store,
+                                  gemv_silu_mul, head_norm_fits)
 from hsserve.models.linear import Linear
 from hsserve.models.moe import MoE
-from hsserve.models.rope import apply_rotary, attention_factor, inverse_frequencies
+from hsserve.models.rope import Rotary, attention_factor, inverse_frequencies
 from hsserve.models.spec import ModelSpec
 from hsserve.models.tensor_parallel import TensorParallel
 
@@ -50,22 +49,6 @@ class RMSNorm(nn.Module):
         return normed if residual is None else (normed, total)
 
 
-@dataclass
-class Rotary:
-    """Each token's rotation, computed once per forward: cos/sin [tokens, head_dim] in the model
-    dtype for the torch path; [tokens, head_dim // 2] float32 for the CUDA kernel."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    fused: bool
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            rotary_(x, self.cos, self.sin)
-            return x
-        return apply_rotary(x, self.cos, self.sin)
-
-
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, index: int = 0):
         super().__init__()
@@ -79,6 +62,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, spec.hidden_size)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        # NOTE: gemv_head_norm_store's per-head tickets (zero between launches)
+        self.register_buffer("head_tickets", torch.zeros(q_size // spec.head_dim + 2 * (
+            kv_size // spec.head_dim), dtype=torch.int32) if spec.qk_norm else None, persistent=False)
         self.scale = (spec.attn_scale or spec.head_dim**-0.5) * attention_factor(spec.rope) ** 2
         self.window = spec.window_of(index)
         # NOTE: Gemma 3's sliding layers rotate with a rope of their own
@@ -92,15 +78,20 @@ class Attention(nn.Module):
         h, kvh = self.num_heads, self.num_kv_heads
         stream = x if folded_eps is not None else None
         fused = rope.fused and batch.kernels
+        qk = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+              if self.q_norm is not None else None)
         if fused and self.q_norm is None and self.qkv.takes_gemv(x):
             # NOTE: one kernel: the qkv product, rotary, the cache writes
             q = gemv_rotary_store(x, self.qkv.weight, h, kvh, rope.cos, rope.sin, kv,
                                   batch.slot_mapping, folded_eps)
+        elif fused and qk is not None and self.qkv.bias is None and head_norm_fits(
+                x, self.qkv.weight, self.head_dim):
+            # NOTE: one kernel: the qkv product, then each head's norm, rotary, cache write
+            q = gemv_head_norm_store(x, self.qkv.weight, h, kvh, rope.cos, rope.sin, kv,
+                                     batch.slot_mapping, qk, self.head_tickets, folded_eps)
         else:
             qkv = self.qkv(x).view(len(x), -1, self.head_dim)
             if fused:  # NOTE: one kernel: (q/k norm,) rotary on q and k, the k and v writes
-                qk = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-                      if self.q_norm is not None else None)
                 rotary_store_(qkv, h, kvh, rope.cos, rope.sin, kv, batch.slot_mapping, stream,
                               folded_eps or 0.0, qk_norm=qk)
                 q = qkv[:, :h]

@@ -14,7 +14,8 @@ BLAS, none that float32 or bfloat16 could tell apart.
 With the norms folded (Decoder.fold_norms, on CUDA) the layer takes the residual stream: the norm
 before it, without its weight (folded into the router and gate_up), is done by the router kernel
 at decode sizes (by add_rmsnorm above), and the output is added into the stream by the pairs'
-sum. At one token the router's last program also routes (kernels/moe_route.py decode_route), and its experts run in one launch (kernels/moe_one.py).
+sum. At one token the router's last program also routes (kernels/moe_route.py decode_route); at one token and on one GPU the router, the routing, the
+experts and the sum run in one launch (kernels/moe_one.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts
 from hsserve.kernels.elementwise import add_rmsnorm
-from hsserve.kernels.moe_one import counters, one_token_experts, one_token_fits
-from hsserve.kernels.moe_route import MAX_PAIRS, decode_route
+from hsserve.kernels.moe_one import counters, one_token_fits, one_token_moe
+from hsserve.kernels.moe_route import MAX_PAIRS, ONE_EXPERTS, decode_route
 from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
 
@@ -85,6 +86,12 @@ class MoE(nn.Module):
         """Whether x's rows are routed by the decode kernels (no float64 copy of x needed)."""
         return x.is_cuda and len(x) * self.top_k <= MAX_PAIRS
 
+    def one_launch(self, x: torch.Tensor) -> bool:
+        """Whether x's one row runs through kernels/moe_one.py (CUDA, no tensor parallelism: a
+        rank's share is summed by all-reduce)."""
+        return (x.is_cuda and self.reduce is None and self.router.shape[0] <= ONE_EXPERTS
+                and one_token_fits(x, self.gate_up, self.down, self.top_k))
+
     def router_input_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
         """Room for x's rows in float64, for the norm before to fill: None when the decode kernels
         route x (they widen it themselves)."""
@@ -98,18 +105,17 @@ class MoE(nn.Module):
         into = x if folded_eps is not None and self.reduce is None else None
         if self._ticket is None:
             self.prepare()
-        if self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
+        if self.one_launch(x):  # NOTE: router, routing, experts and the sum in one kernel
+            out = one_token_moe(x, self.router, self.gate_up, self.down, self.top_k,
+                                self.renormalize, self._count, folded_eps, into, pdl_on(x))
+        elif self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
             pdl = pdl_on(x)
             rows, routed = decode_route(x, self.router, self.top_k, self.renormalize,
                                         block_rows(len(x) * self.top_k), pdl, folded_eps,
                                         self._ticket)
             weights, experts, ids, blocks = routed
-            if one_token_fits(rows, self.gate_up, self.down, self.top_k):  # NOTE: one launch
-                out = one_token_experts(rows, self.gate_up, self.down, weights, experts,
-                                        self._count, into=into, pdl=pdl)
-            else:
-                out = fused_experts(rows, self.gate_up, self.down, weights, experts,
-                                    self.weigh_in_float, (ids, blocks), pdl=pdl, into=into)
+            out = fused_experts(rows, self.gate_up, self.down, weights, experts,
+                                self.weigh_in_float, (ids, blocks), pdl=pdl, into=into)
         else:
             rows = x
             if folded_eps is not None:  # NOTE: a weight of ones: the normed rows exactly

@@ -1,12 +1,15 @@
 """Rotary position embeddings: inverse frequencies (default, linear, llama3, longrope's short
-factors) with longrope's attention factor, and apply."""
+factors) with longrope's attention factor, apply, and a forward's rotation (Rotary)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from hsserve.kernels.elementwise import rotary_
 
 
 def inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
@@ -52,3 +55,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@dataclass
+class Rotary:
+    """Each token's rotation, computed once per forward: cos/sin [tokens, head_dim] in the model
+    dtype for the torch path; [tokens, head_dim // 2] float32 for the CUDA kernel."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    fused: bool
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            rotary_(x, self.cos, self.sin)
+            return x
+        return apply_rotary(x, self.cos, self.sin)
