@@ -8,8 +8,7 @@ ops cost more in launches than the experts' weights take to read
 (bench/README.md#mixture-of-experts-h200). route_align takes the logits [T, E] and writes each
 token's k experts and float32 weights, the pair ids grouped by expert (padding id T * k) and each
 block's expert: T * k pairs at most MAX_PAIRS. At one token decode_route does it all in the
-router's launch: its last program to finish (a ticket counter) routes, one launch fewer. Its
-pieces (router_rows, router_store, route_one) are also kernels/moe_one.py's.
+router's launch: its last program to finish (a ticket counter) routes, one launch fewer.
 """
 
 from __future__ import annotations
@@ -28,53 +27,37 @@ ROUTER_EXPERTS = 2  # NOTE: router rows a program (bench/moe_kernels.py); fixed:
 
 
 @triton.jit
-def router_rows(W, e, num_experts, K, stride_w, KP: tl.constexpr):
-    """The router's rows e [BLOCK_E] (columns padded to KP with zeros): loaded before the wait
-    (they do not come from the kernel before)."""
+def _router_kernel(X, W, OUT, XN, TICKET, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, K,
+                   stride_x, stride_w, eps, rows, BLOCK_E: tl.constexpr, KP: tl.constexpr,
+                   NORM: tl.constexpr, ROUTE_K: tl.constexpr, RENORM: tl.constexpr,
+                   E_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   PDL: tl.constexpr):
+    """OUT[t, e] = sum_k X[t, k] W[e, k] in float64, for one token and BLOCK_E experts. NORM: X is
+    the residual stream, RMS-normed here (no weight: it is in W) and written to XN. ROUTE_K > 0
+    (one token): the last program to finish routes the token (_route_one)."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     rk = tl.arange(0, KP)
-    return tl.load(W + e[:, None].to(tl.int64) * stride_w + rk[None, :],
-                   mask=(e[:, None] < num_experts) & (rk[None, :] < K), other=0.0)
-
-
-@triton.jit
-def router_store(X, w, OUT, XN, t, e, num_experts, K, stride_x, eps, write_xn,
-                 KP: tl.constexpr, NORM: tl.constexpr):
-    """OUT[t, e] = sum_k X[t, k] w[e, k] in float64. NORM: X is the residual stream, RMS-normed
-    here (no weight: it is in w), written to XN where write_xn."""
-    rk = tl.arange(0, KP)
+    w = tl.load(W + e[:, None].to(tl.int64) * stride_w + rk[None, :],
+                mask=(e[:, None] < num_experts) & (rk[None, :] < K), other=0.0)
+    pdl_enter(PDL)  # NOTE: x comes from the kernel before; the router's rows did not
     x = tl.load(X + t * stride_x + rk, mask=rk < K, other=0.0)
     if NORM:  # NOTE: add_rmsnorm's formula: float32, one rounding
         xf = x.to(tl.float32)
         x = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)).to(XN.dtype.element_ty)
-        if write_xn:
+        if tl.program_id(1) == 0:
             tl.store(XN + t * stride_x + rk, x, mask=rk < K)
     # NOTE: both widened exactly, so each product is exact; one program per token and the same
     # reduction for every row of the tile: a logit's bits do not depend on the batch, the row's
     # place in it or the launch, and identical router rows tie exactly
     logits = tl.sum(w.to(tl.float64) * x.to(tl.float64)[None, :], axis=1)
     tl.store(OUT + t * num_experts + e, logits, mask=e < num_experts)
-
-
-@triton.jit
-def _router_kernel(X, W, OUT, XN, TICKET, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, K,
-                   stride_x, stride_w, eps, rows, BLOCK_E: tl.constexpr, KP: tl.constexpr,
-                   NORM: tl.constexpr, ROUTE_K: tl.constexpr, RENORM: tl.constexpr,
-                   E_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   PDL: tl.constexpr):
-    """router_store for one token and BLOCK_E experts. ROUTE_K > 0 (one token): the last program
-    to finish routes the token (route_one)."""
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    w = router_rows(W, e, num_experts, K, stride_w, KP)
-    pdl_enter(PDL)  # NOTE: x comes from the kernel before; the router's rows did not
-    router_store(X, w, OUT, XN, t, e, num_experts, K, stride_x, eps, tl.program_id(1) == 0, KP,
-                 NORM)
     if ROUTE_K > 0:
         tl.debug_barrier()  # NOTE: every thread's logits stored before the ticket is taken
         if tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
             tl.store(TICKET, 0)  # NOTE: the last one: zero again for the next launch
-            route_one(OUT, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, rows, ROUTE_K,
-                      RENORM, E_PAD, R_PAD, BLOCK_M, True)
+            _route_one(OUT, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, rows, ROUTE_K,
+                       RENORM, E_PAD, R_PAD, BLOCK_M)
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor, pdl: bool = False,
@@ -186,17 +169,16 @@ def _route_one_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, 
                       K: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr,
                       R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
-    route_one(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, rows, K, RENORM, E_PAD,
-              R_PAD, BLOCK_M, True)
+    _route_one(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, rows, K, RENORM, E_PAD,
+               R_PAD, BLOCK_M)
 
 
 @triton.jit
-def route_one(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, rows, K: tl.constexpr,
-              RENORM: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr,
-              BLOCK_M: tl.constexpr, ALIGN: tl.constexpr):
+def _route_one(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, rows, K: tl.constexpr,
+               RENORM: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr,
+               BLOCK_M: tl.constexpr):
     """_route_align_kernel for one token: each expert's rank among the keys in one pass (no
-    k rounds of a maximum), and (ALIGN) its group is a block of its own (k blocks, in expert
-    order)."""
+    k rounds of a maximum), and its group is a block of its own (k blocks, in expert order)."""
     e = tl.arange(0, E_PAD)
     real = e < num_experts
     # NOTE: from L2 (.cg): in the router kernel other programs wrote the logits
@@ -213,13 +195,6 @@ def route_one(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, rows, K:
         weight = probs / tl.sum(tl.where(chosen, probs, 0.0), 0)
     tl.store(WEIGHTS + rank, weight, mask=chosen)
     tl.store(EXPERTS + rank, e.to(tl.int64), mask=chosen)
-    if ALIGN:
-        _align_one(IDS, BLOCK_EXPERT, e, rank, chosen, rows, K, R_PAD, BLOCK_M)
-
-
-@triton.jit
-def _align_one(IDS, BLOCK_EXPERT, e, rank, chosen, rows, K: tl.constexpr, R_PAD: tl.constexpr,
-               BLOCK_M: tl.constexpr):
     block = tl.cumsum(chosen.to(tl.int32), 0) - 1  # NOTE: chosen experts before it, itself too
     r = tl.arange(0, R_PAD)
     tl.store(IDS + r, tl.zeros((R_PAD,), dtype=tl.int64) + K, mask=r < rows)

@@ -14,8 +14,7 @@ BLAS, none that float32 or bfloat16 could tell apart.
 With the norms folded (Decoder.fold_norms, on CUDA) the layer takes the residual stream: the norm
 before it, without its weight (folded into the router and gate_up), is done by the router kernel
 at decode sizes (by add_rmsnorm above), and the output is added into the stream by the pairs'
-sum. At one token the router's last program also routes (kernels/moe_route.py decode_route); at one token and on one GPU the router, the routing, the
-experts and the sum run in one launch (kernels/moe_one.py).
+sum. At one token the router's last program also routes (kernels/moe_route.py decode_route).
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts
 from hsserve.kernels.elementwise import add_rmsnorm
-from hsserve.kernels.moe_one import counters, one_token_fits, one_token_moe
-from hsserve.kernels.moe_route import MAX_PAIRS, ONE_EXPERTS, decode_route
+from hsserve.kernels.moe_route import MAX_PAIRS, decode_route
 from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
 
@@ -42,7 +40,7 @@ class MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
         self._router64: torch.Tensor | None = None  # NOTE: made by prepare(), after loading
-        self._ticket = self._ones = self._count = None
+        self._ticket = self._ones = None
         # NOTE: Mixtral weighs an expert's output in float32, Qwen3-MoE in the model's dtype
         self.weigh_in_float = spec.family == "mixtral"
         self.reduce = None  # NOTE: tensor parallelism: each expert's rank share summed (Linear's)
@@ -52,7 +50,6 @@ class MoE(nn.Module):
         inside a graph capture)."""
         self._router64 = self.router.double()
         self._ticket = torch.zeros(1, dtype=torch.int32, device=self.router.device)
-        self._count = counters(self.router.device)
         self._ones = self.gate_up.new_ones(self.gate_up.shape[-1])  # NOTE: fold_norm's norm
 
     @torch.no_grad()
@@ -86,12 +83,6 @@ class MoE(nn.Module):
         """Whether x's rows are routed by the decode kernels (no float64 copy of x needed)."""
         return x.is_cuda and len(x) * self.top_k <= MAX_PAIRS
 
-    def one_launch(self, x: torch.Tensor) -> bool:
-        """Whether x's one row runs through kernels/moe_one.py (CUDA, no tensor parallelism: a
-        rank's share is summed by all-reduce)."""
-        return (x.is_cuda and self.reduce is None and self.router.shape[0] <= ONE_EXPERTS
-                and one_token_fits(x, self.gate_up, self.down, self.top_k))
-
     def router_input_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
         """Room for x's rows in float64, for the norm before to fill: None when the decode kernels
         route x (they widen it themselves)."""
@@ -105,10 +96,7 @@ class MoE(nn.Module):
         into = x if folded_eps is not None and self.reduce is None else None
         if self._ticket is None:
             self.prepare()
-        if self.one_launch(x):  # NOTE: router, routing, experts and the sum in one kernel
-            out = one_token_moe(x, self.router, self.gate_up, self.down, self.top_k,
-                                self.renormalize, self._count, folded_eps, into, pdl_on(x))
-        elif self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
+        if self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
             pdl = pdl_on(x)
             rows, routed = decode_route(x, self.router, self.top_k, self.renormalize,
                                         block_rows(len(x) * self.top_k), pdl, folded_eps,
