@@ -30,7 +30,6 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from hsserve.kernels.moe import (SUM_CONFIG, GemmConfig, _grouped_gemm,  # noqa: E402
                                  align_pairs, block_rows, gemm_config, sum_pairs)
-from hsserve.kernels.moe_one import DOWN_CONFIG, one_token_down  # noqa: E402
 from hsserve.kernels.moe_route import (MAX_PAIRS, ROUTE_WARPS, ROUTER_EXPERTS,  # noqa: E402
                                        route_align, router_logits)
 from hsserve.kernels.pdl import pdl_on  # noqa: E402
@@ -42,7 +41,6 @@ DEVICE = "cuda"
 ROUTE_CONFIGS = [2, 4, 8]  # NOTE: route_align's num_warps
 SUM_CONFIGS = [(128, 1), (256, 1), (256, 2)]
 ROUTER_CONFIGS = [1, 2, 4, 8]  # NOTE: router_logits' rows a program
-DOWN_CONFIGS = [DOWN_CONFIG, (1, 4), (4, 4), (2, 8), (1, 2), (4, 8)]  # NOTE: one_token_down's
 # NOTE: batch 1's wider GEMM set: (block_n, block_k, warps, stages), narrow tiles for more programs
 DECODE_GEMMS = [(64, 128, 4, 4), (32, 128, 2, 4), (64, 128, 4, 5), (32, 128, 2, 5), (32, 128, 2, 3),
                 (64, 128, 4, 6), (64, 256, 8, 3), (32, 256, 4, 3), (32, 256, 2, 3), (64, 128, 2, 5),
@@ -212,14 +210,6 @@ def bench_experts(moes, xs, batch, routed, rows, best, defaults) -> float:
     defaults["sum"] = SUM_CONFIG
     best["sum"] = sweep(rows, batch, "sum", SUM_CONFIGS + ["torch"], summed, torch_or_equal(1e-2),
                         0, calls)
-    if batch == 1:  # NOTE: down and the sum in one launch (kernels/moe_one.py)
-        def down_sum(i, cfg):
-            w, e = routed[i][:2]
-            return one_token_down(hs[i], moes[i].down, w, e, pdl=pdl, config=cfg)
-
-        defaults["down_sum"] = DOWN_CONFIG
-        best["down_sum"] = sweep(rows, batch, "down_sum", DOWN_CONFIGS, down_sum, close,
-                                 used * inter * hidden * 2 / TB * 1e6, calls)
     return used
 
 

@@ -481,24 +481,6 @@ def check_decode_route(device, dtype, tokens, experts, hidden, k, renormalize, s
 
 
 
-def check_moe_one(device, dtype, experts, k, hidden, inter, seed=0, config=None, pdl=False):
-    """one_token_down (down over the k slots, weighed and summed in one launch) equals the
-    reference's float64 result from the same h; into adds the same row into a stream."""
-    from hsserve.kernels.moe_one import one_token_down
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    h = torch.randn(k, inter, generator=g)
-    down = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
-    weights, chosen = torch.topk(torch.randn(1, experts, generator=g).softmax(-1), k)
-    ref = sum(weights[0, s].double() * (down[chosen[0, s]].double() @ h[s].double())
-              for s in range(k))
-    args = (h.to(device, dtype), down.to(device, dtype), weights.to(device), chosen.to(device))
-    got = one_token_down(*args, pdl=pdl, config=config)
-    _close(got.cpu()[0], ref, dtype, fp32_tol=1e-5)
-    stream = torch.randn(1, hidden, generator=g).to(device, dtype)
-    into = one_token_down(*args, into=stream.clone(), pdl=pdl, config=config)
-    assert torch.equal(into, (stream.float() + got.float()).to(dtype))
-
 def check_gemv_head_norm(device, dtype, heads, kv_heads, head_dim, k, rms, seed=0):
     """gemv_head_norm_store (the qkv GEMV, then each head's q/k norm, rotary and cache writes
     by its last program) equals the reference product, then what rotary_store_ does with qk_norm;

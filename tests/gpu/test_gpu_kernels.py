@@ -169,18 +169,6 @@ def test_moe_grouped_gemm_launch_configs():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("experts, k, hidden, inter", [(128, 8, 2048, 768), (8, 2, 1024, 1536),
-                                                       (60, 6, 200, 48)])
-def test_moe_one_token_down_matches_reference(dtype, experts, k, hidden, inter):
-    # Qwen3-30B-A3B, Mixtral-like, odd sizes and a top-6 (padded slots); with PDL, configs
-    from kernel_cases import check_moe_one
-
-    for config in (None, (1, 4), (4, 8)):
-        for pdl in (False, True):
-            check_moe_one("cuda", dtype, experts, k, hidden, inter, config=config, pdl=pdl)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, experts, hidden", [(1, 128, 2048), (16, 128, 2048), (9, 8, 4096),
                                                      (3, 6, 200)])
 def test_moe_router_logits_matches_float64(dtype, tokens, experts, hidden):

@@ -173,13 +173,6 @@ def test_attention_kernels_soft_cap(window):
 
 
 
-@pytest.mark.parametrize("experts, k, hidden, inter, config", [
-    (8, 2, 64, 48, None), (6, 3, 40, 24, (4, 4)), (16, 8, 32, 16, (1, 2))])
-def test_moe_one_token_down_matches_reference(experts, k, hidden, inter, config):
-    from kernel_cases import check_moe_one
-
-    check_moe_one("cpu", torch.float32, experts, k, hidden, inter, config=config)
-
 @pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms", [(4, 2, 16, 512, True),
                                                                (3, 1, 32, 256, False)])
 def test_gemv_head_norm_store_matches_reference(heads, kv_heads, head_dim, k, rms):

@@ -5,8 +5,7 @@ Each (token, chosen expert) pair is one row. On the device, the pairs are groupe
 blocks of BLOCK_M rows (align_pairs: sorted by expert, each expert's group padded to a block),
 all with torch ops of fixed shapes (no host sync: capturable in the decode graphs). Then two
 launches of one kernel: gate_up with SiLU-and-mul (h [pairs, I]), and down scaled by the pair's
-routing weight (y [pairs, H]); then the k pairs of a token are summed (sum_pairs); at one token
-down and the sum are one launch (kernels/moe_one.py). A block reads
+routing weight (y [pairs, H]); then the k pairs of a token are summed (sum_pairs). A block reads
 only its expert's weights, so a decode step reads each chosen expert once (at batch 1, only the
 chosen ones). The launch (tile, warps, stages) is gemm_config's, by size; bench/moe_kernels.py
 sweeps it. At one token the launches chain by programmatic dependent launch (kernels/pdl.py).
@@ -21,8 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hsserve.kernels.moe_one import one_token_down, one_token_fits
-from hsserve.kernels.pdl import pdl_enter, pdl_enter_late
+from hsserve.kernels.pdl import pdl_enter
 
 
 def experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -70,17 +68,11 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int):
 def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, pairs, num_experts, N, K,
                          stride_x, stride_we, stride_wn, stride_out, ROW_DIV: tl.constexpr,
                          SILU_MUL: tl.constexpr, WEIGH: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                         LATE: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[pair] = f(X[pair // ROW_DIV] @ W[e]^T) over one block of pairs x BLOCK_N columns;
     SILU_MUL: W holds gate rows then up rows (N each), f = silu(gate) * up; WEIGH: x the pair's
-    routing weight. LATE: the next launch only after the wait (kernels/moe_one.py reads the
-    routing before its own)."""
-    # NOTE: which weights to read is the routing's: nothing to load before the wait
-    if LATE:
-        pdl_enter_late(PDL)
-    else:
-        pdl_enter(PDL)
+    routing weight."""
+    pdl_enter(PDL)  # NOTE: which weights to read is the routing's: nothing to load before
     e = tl.load(BLOCK_EXPERT + tl.program_id(0))
     if e < num_experts:
         ids = tl.load(IDS + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -133,7 +125,7 @@ def gemm_config(pairs: int, silu_mul: bool) -> GemmConfig:
 
 
 def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights, block_m,
-                  config: GemmConfig | None, pdl: bool = False, late: bool = False):
+                  config: GemmConfig | None, pdl: bool = False):
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     cfg = config or gemm_config(pairs, silu_mul)
     grid = (len(block_expert), triton.cdiv(n, cfg.block_n))
@@ -141,8 +133,8 @@ def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights,
         x, w, out, ids, block_expert, weights if weights is not None else out, pairs, w.shape[0],
         n, x.shape[1], x.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div,
         SILU_MUL=silu_mul, WEIGH=weights is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PDL=pdl, LATE=late, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl)
+        BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl)
     return out
 
 
@@ -204,12 +196,8 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     ids, block_expert = aligned or align_pairs(experts, gate_up.shape[0], block_m)
     inter = down.shape[2]
     pairs = tokens * k
-    # NOTE: one token: down and the sum in one launch, its weights loaded during gate_up
-    one = tokens == 1 and configs[1] is None and one_token_fits(down, k)
     h = _grouped_gemm(x.contiguous(), gate_up, ids, block_expert, pairs, inter, k, True, None,
-                      block_m, configs[0], pdl, late=one)
-    if one:
-        return one_token_down(h, down, weights.float(), experts, into, pdl)
+                      block_m, configs[0], pdl)
     y = _grouped_gemm(h, down, ids, block_expert, pairs, down.shape[1], 1, False,
                       weights.float().reshape(-1).contiguous(), block_m, configs[1], pdl)
     return sum_pairs(y, k, pdl=pdl, into=into)

@@ -35,12 +35,3 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-
-
-@triton.jit
-def pdl_enter_late(PDL: tl.constexpr):
-    """Wait for the previous kernel, then let the next one launch: the next kernel may read, before
-    its own wait, what the kernel before this one wrote (kernels/moe_one.py: the routing)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()

@@ -63,8 +63,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         # NOTE: gemv_head_norm_store's per-head tickets (zero between launches)
-        self.register_buffer("head_tickets", torch.zeros(q_size // spec.head_dim + 2 * (
-            kv_size // spec.head_dim), dtype=torch.int32) if spec.qk_norm else None, persistent=False)
+        tickets = torch.zeros(spec.num_heads + 2 * spec.num_kv_heads, dtype=torch.int32)
+        self.register_buffer("head_tickets", tickets if spec.qk_norm else None, persistent=False)
         self.scale = (spec.attn_scale or spec.head_dim**-0.5) * attention_factor(spec.rope) ** 2
         self.window = spec.window_of(index)
         # NOTE: Gemma 3's sliding layers rotate with a rope of their own
