@@ -4,7 +4,7 @@
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
 # PART: tests triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
-# profile1 host logprobs extract8b extract_spy moe moe_kernels moe_profile tp_tests tp8b tp70b
+# profile1 host logprobs extract8b extract_spy moe moe_kernels moe_profile ablation tp_tests tp8b tp70b
 # two_instances none. The one-off A/B scripts' parts went with them to bench/archive/.
 set -u
 cd "$(dirname "$0")/.."
@@ -59,6 +59,8 @@ for part in $parts; do
            --no-hf --out "$OUT/h200_decode_moe.json" 2>&1 | grep "^{\|Error\|error" ;;
     moe_kernels) timeout 300 python3 bench/moe_kernels.py --out "$OUT/h200_moe_kernels.json" 2>&1 \
                    | grep -v "^\[W" ;;  # NOTE: the MoE pieces' launch sweeps (one H200)
+    ablation) timeout 240 python3 bench/gpu_ablation.py --shape "${SHAPE:-qwen3-30b-a3b}" \
+                --out "$OUT/h200_ablation_${SHAPE:-qwen3-30b-a3b}.json" 2>&1 | grep "^{\|Error" ;;
     moe_profile) timeout 200 python3 bench/gpu_profile.py --shape qwen3-30b-a3b --batches 1 --top 24 \
                    2>&1 | grep -v "^\[W" ;;
     tp_tests) timeout 300 python3 -m pytest -m gpu tests/gpu/test_gpu_tensor_parallel.py -q \
