@@ -129,6 +129,14 @@ def _rotary_store_expected(scaled, heads, kv_heads, cos, sin, kv, slots):
     return rotated[:, :heads], want_kv
 
 
+def _qk_normed(qkv, qw, kw, heads, kv_heads, eps=1e-6):
+    """qkv [tokens, heads + 2 * kv_heads, head_dim] float64: its q and k heads RMS-normed in place
+    (Qwen3's q/k norm)."""
+    for w, lo, hi in ((qw, 0, heads), (kw, heads, heads + kv_heads)):
+        part = qkv[:, lo:hi]
+        part *= torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
 def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0, rms=False,
                        qk_norm=False):
     """rms: q, k, v scaled first by the 1 / rms of a stream row per token (folded norm); qk_norm:
@@ -149,9 +157,7 @@ def check_rotary_store(device, dtype, heads=8, kv_heads=2, head_dim=64, seed=0, 
     if qk_norm:
         qw, kw = (1 + 0.3 * torch.randn(2, head_dim, generator=g)).to(device, dtype)
         norms = (qw, kw, 1e-6)
-        for w, lo, hi in ((qw, 0, heads), (kw, heads, heads + kv_heads)):
-            part = scaled[:, lo:hi]
-            part *= torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+        _qk_normed(scaled, qw, kw, heads, kv_heads)
     want_q, want_kv = _rotary_store_expected(scaled, heads, kv_heads, cos, sin, kv, slots)
     keep = slots >= 0
     rotary_store_(qkv, heads, kv_heads, cos, sin, kv, slots, stream, 1e-6, qk_norm=norms)
@@ -340,15 +346,20 @@ def check_gemv_silu_mul(device, dtype, rows, inter, k, rms, seed=0):
     _close(gemv_silu_mul(x, w, 1e-5 if rms else None), ref, dtype)
 
 
-def check_gemv_rotary_store(device, dtype, heads, kv_heads, head_dim, k, rms, seed=0):
+def check_gemv_rotary_store(device, dtype, heads, kv_heads, head_dim, k, rms, seed=0,
+                            qk_norm=False):
     """The fused qkv GEMV + rotary + cache writes equals the reference product, then rotary_ref
-    and write_kv (with x's 1 / rms first when rms); a negative slot writes nothing."""
+    and write_kv (with x's 1 / rms first when rms); a negative slot writes nothing. qk_norm:
+    gemv_head_norm_store (each head RMS-normed first by its last program; its tickets zero again
+    after each launch)."""
     from hsserve.kernels.elementwise import rms_inverse_ref
-    from hsserve.kernels.gemv import gemv_ref, gemv_rotary_store
+    from hsserve.kernels.gemv import gemv_head_norm_store, gemv_ref, gemv_rotary_store
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     n = (heads + 2 * kv_heads) * head_dim
     w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+    qw, kw = (1 + 0.3 * torch.randn(2, head_dim, generator=g)).to(device, dtype)
+    tickets = torch.zeros(heads + 2 * kv_heads, dtype=torch.int32, device=device)
     for slot, pos in ((17, 700.0), (-1, 3.0), (63, 5000.0)):
         x = (3 * torch.randn(1, k, generator=g)).to(device, dtype)
         kv = torch.randn(2, 4, 16, kv_heads, head_dim, generator=g).to(device, dtype)
@@ -357,8 +368,16 @@ def check_gemv_rotary_store(device, dtype, heads, kv_heads, head_dim, k, rms, se
         qkv = gemv_ref(x.double(), w.double()).view(1, -1, head_dim)
         if rms:
             qkv = qkv * rms_inverse_ref(x.double(), 1e-5)[:, :, None]
+        if qk_norm:
+            _qk_normed(qkv, qw, kw, heads, kv_heads)
         want_q, want_kv = _rotary_store_expected(qkv, heads, kv_heads, cos, sin, kv, slots)
-        q = gemv_rotary_store(x, w, heads, kv_heads, cos, sin, kv, slots, 1e-5 if rms else None)
+        eps = 1e-5 if rms else None
+        if qk_norm:
+            q = gemv_head_norm_store(x, w, heads, kv_heads, cos, sin, kv, slots, (qw, kw, 1e-6),
+                                     tickets, eps)
+            assert tickets.tolist() == [0] * len(tickets)
+        else:
+            q = gemv_rotary_store(x, w, heads, kv_heads, cos, sin, kv, slots, eps)
         _close(q, want_q, dtype)
         if slot < 0:
             assert torch.equal(kv.double(), want_kv)
@@ -478,37 +497,3 @@ def check_decode_route(device, dtype, tokens, experts, hidden, k, renormalize, s
             ref = add_rmsnorm_ref(x.double(), None, torch.ones(hidden, dtype=torch.float64,
                                                                device=device), norm_eps)[0]
             _close(rows, ref, dtype)
-
-
-
-def check_gemv_head_norm(device, dtype, heads, kv_heads, head_dim, k, rms, seed=0):
-    """gemv_head_norm_store (the qkv GEMV, then each head's q/k norm, rotary and cache writes
-    by its last program) equals the reference product, then what rotary_store_ does with qk_norm;
-    a negative slot writes nothing; the tickets are zero again after each launch."""
-    from hsserve.kernels.elementwise import rms_inverse_ref
-    from hsserve.kernels.gemv import gemv_head_norm_store, gemv_ref
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    n = (heads + 2 * kv_heads) * head_dim
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
-    qw, kw = (1 + 0.3 * torch.randn(2, head_dim, generator=g)).to(device, dtype)
-    tickets = torch.zeros(heads + 2 * kv_heads, dtype=torch.int32, device=device)
-    for slot, pos in ((17, 700.0), (-1, 3.0), (63, 5000.0)):
-        x = (3 * torch.randn(1, k, generator=g)).to(device, dtype)
-        kv = torch.randn(2, 4, 16, kv_heads, head_dim, generator=g).to(device, dtype)
-        slots = torch.tensor([slot], device=device)
-        cos, sin = _rope([pos], head_dim, device)
-        qkv = gemv_ref(x.double(), w.double()).view(1, -1, head_dim)
-        if rms:
-            qkv = qkv * rms_inverse_ref(x.double(), 1e-5)[:, :, None]
-        for nw, lo, hi in ((qw, 0, heads), (kw, heads, heads + kv_heads)):
-            part = qkv[:, lo:hi]
-            part *= torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
-        want_q, want_kv = _rotary_store_expected(qkv, heads, kv_heads, cos, sin, kv, slots)
-        q = gemv_head_norm_store(x, w, heads, kv_heads, cos, sin, kv, slots, (qw, kw, 1e-6),
-                                 tickets, 1e-5 if rms else None)
-        assert tickets.tolist() == [0] * len(tickets)
-        _close(q, want_q, dtype)
-        if slot < 0:
-            assert torch.equal(kv.double(), want_kv)
-        _close(kv, want_kv, dtype)

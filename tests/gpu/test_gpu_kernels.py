@@ -126,24 +126,14 @@ def test_gemv_silu_mul_matches_reference(dtype, inter, k, rms):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms", [(32, 8, 64, 2048, True),
-                                                                (32, 8, 128, 4096, False),
-                                                                (9, 3, 64, 576, True)])
-def test_gemv_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim, k, rms):
+@pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms, qk_norm", [
+    (32, 8, 64, 2048, True, False), (32, 8, 128, 4096, False, False), (9, 3, 64, 576, True, False),
+    (32, 4, 128, 2048, True, True), (16, 8, 128, 4096, False, True), (8, 2, 64, 1024, True, True)])
+def test_gemv_rotary_store_matches_reference(dtype, heads, kv_heads, head_dim, k, rms, qk_norm):
+    # qk_norm: gemv_head_norm_store (Qwen3-30B-A3B's attention with its folded norm first)
     from kernel_cases import check_gemv_rotary_store
 
-    check_gemv_rotary_store("cuda", dtype, heads, kv_heads, head_dim, k, rms)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms", [(32, 4, 128, 2048, True),
-                                                                (16, 8, 128, 4096, False),
-                                                                (8, 2, 64, 1024, True)])
-def test_gemv_head_norm_store_matches_reference(dtype, heads, kv_heads, head_dim, k, rms):
-    # Qwen3-30B-A3B's attention (folded norm), a wider row, smaller heads
-    from kernel_cases import check_gemv_head_norm
-
-    check_gemv_head_norm("cuda", dtype, heads, kv_heads, head_dim, k, rms)
+    check_gemv_rotary_store("cuda", dtype, heads, kv_heads, head_dim, k, rms, qk_norm=qk_norm)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

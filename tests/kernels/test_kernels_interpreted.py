@@ -68,12 +68,14 @@ def test_gemv_silu_mul_matches_reference(inter, k, rms):
     check_gemv_silu_mul("cpu", torch.float32, 1, inter, k, rms)
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms", [(4, 2, 16, 64, True),
-                                                                (3, 1, 32, 100, False)])
-def test_gemv_rotary_store_matches_reference(heads, kv_heads, head_dim, k, rms):
+@pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms, qk_norm", [
+    (4, 2, 16, 64, True, False), (3, 1, 32, 100, False, False), (4, 2, 16, 512, True, True),
+    (3, 1, 32, 256, False, True)])
+def test_gemv_rotary_store_matches_reference(heads, kv_heads, head_dim, k, rms, qk_norm):
+    # qk_norm: gemv_head_norm_store (a head's rows a program must divide head_dim: k >= 256)
     from kernel_cases import check_gemv_rotary_store
 
-    check_gemv_rotary_store("cpu", torch.float32, heads, kv_heads, head_dim, k, rms)
+    check_gemv_rotary_store("cpu", torch.float32, heads, kv_heads, head_dim, k, rms, qk_norm=qk_norm)
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 32), (4, 4, 16)])
@@ -172,10 +174,3 @@ def test_attention_kernels_soft_cap(window):
     check_varlen("cpu", torch.float32, 8, 2, 32, [(0, 19), (16, 5)], window=window, softcap=5.0)
 
 
-
-@pytest.mark.parametrize("heads, kv_heads, head_dim, k, rms", [(4, 2, 16, 512, True),
-                                                               (3, 1, 32, 256, False)])
-def test_gemv_head_norm_store_matches_reference(heads, kv_heads, head_dim, k, rms):
-    from kernel_cases import check_gemv_head_norm
-
-    check_gemv_head_norm("cpu", torch.float32, heads, kv_heads, head_dim, k, rms)

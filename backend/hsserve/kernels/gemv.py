@@ -61,14 +61,20 @@ def _weights(ptrs, kmask, POLICY: tl.constexpr):
 
 
 @triton.jit
+def _slab(W, K, BLOCK_N: tl.constexpr, KP: tl.constexpr, POLICY: tl.constexpr):
+    """This program's BLOCK_N whole rows of W: (their indices, the columns, their mask, the
+    slab)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, KP)
+    kmask = rk < K
+    return rn, rk, kmask, _weights(W + rn[:, None].to(tl.int64) * K + rk[None, :], kmask, POLICY)
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, NW, K, eps, stride_x, stride_y, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, KP: tl.constexpr, ADD: tl.constexpr,
                  HAS_NORM: tl.constexpr, PDL: tl.constexpr, W_POLICY: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, KP)
-    kmask = rk < K
-    w = _weights(W + rn[:, None].to(tl.int64) * K + rk[None, :], kmask, W_POLICY)
+    rn, rk, kmask, w = _slab(W, K, BLOCK_N, KP, W_POLICY)
     if HAS_NORM:
         nw = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
     pdl_enter(PDL)  # NOTE: x and y come from the previous kernel; W did not
@@ -235,15 +241,11 @@ def _gemv_head_norm_kernel(X, W, QKV, COS, SIN, KV, SLOTS, QW, KW, TICKETS, K, e
                            HAS_RMS: tl.constexpr, PDL: tl.constexpr, W_POLICY: tl.constexpr):
     # NOTE: one row; a program owns BLOCK_N rows of one head; the last of a head's programs
     # to finish (its ticket) norms, rotates and stores the head whole
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, KP)
-    kmask = rk < K
-    w = _weights(W + rn[:, None].to(tl.int64) * K + rk[None, :], kmask, W_POLICY)
+    rn, rk, kmask, w = _slab(W, K, BLOCK_N, KP, W_POLICY)
     pdl_enter(PDL)
     x = tl.load(X + rk, mask=kmask, other=0.0).to(tl.float32)
     tl.store(QKV + rn, tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(QKV.dtype.element_ty))
-    head = pid * BLOCK_N // (2 * HALF)
+    head = tl.program_id(0) * BLOCK_N // (2 * HALF)
     tl.debug_barrier()  # NOTE: every thread's rows stored before the ticket
     if tl.atomic_add(TICKETS + head, 1, sem="acq_rel", scope="gpu") == 2 * HALF // BLOCK_N - 1:
         tl.store(TICKETS + head, 0)  # NOTE: zero again for the next launch
