@@ -173,8 +173,8 @@ def add_rmsnorm_triton(x, residual, weight, eps, out64: torch.Tensor | None = No
 
 @triton.jit
 def rotate_heads(QKV, COS, SIN, t, h0, stride_t, stride_h, stride_c, scale, NW, eps,
-                  COUNT: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr,
-                  NORM: tl.constexpr, CACHE: tl.constexpr):
+                 COUNT: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr,
+                 NORM: tl.constexpr, CACHE: tl.constexpr):
     """Heads h0..h0+COUNT-1 of token t times `scale`, each RMS-normed by the weight NW [2 HALF]
     when NORM (Qwen3's q/k norm), rotated (float32 math, one rounding): two [PAD, HALF] halves
     and their row mask. CACHE: the loads' cache modifier (".cg": written by this launch)."""
@@ -199,7 +199,7 @@ def _rotary_kernel(X, COS, SIN, stride_t, stride_h, stride_c,
                    HEADS: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0)
     r1, r2, rows, src = rotate_heads(X, COS, SIN, t, 0, stride_t, stride_h, stride_c, 1.0, X,
-                                      0.0, HEADS, PAD, HALF, False, "")
+                                     0.0, HEADS, PAD, HALF, False, "")
     tl.store(src, r1, mask=rows)
     tl.store(src + HALF, r2, mask=rows)
 
@@ -228,15 +228,15 @@ def _rotary_store_kernel(QKV, COS, SIN, KV, SLOTS, S, QW, KW, stride_t, stride_h
     if HAS_RMS:
         scale = _rms_inverse(S, t, stride_s, n_s, eps, BLOCK_S)
     q1, q2, rows, src = rotate_heads(QKV, COS, SIN, t, 0, stride_t, stride_h, stride_c, scale,
-                                      QW, qk_eps, NUM_HEADS, HEADS_PAD, HALF, QK_NORM, "")
+                                     QW, qk_eps, NUM_HEADS, HEADS_PAD, HALF, QK_NORM, "")
     tl.store(src, q1, mask=rows)
     tl.store(src + HALF, q2, mask=rows)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:
         # NOTE: new names: a variable assigned in a branch keeps its type (shape) in Triton
         k1, k2, kv_rows, k_src = rotate_heads(QKV, COS, SIN, t, NUM_HEADS, stride_t, stride_h,
-                                               stride_c, scale, KW, qk_eps, NUM_KV_HEADS, KV_PAD,
-                                               HALF, QK_NORM, "")
+                                              stride_c, scale, KW, qk_eps, NUM_KV_HEADS, KV_PAD,
+                                              HALF, QK_NORM, "")
         j = tl.arange(0, KV_PAD)
         dst = KV + slot * stride_slot + j[:, None] * stride_head + i[None, :]
         tl.store(dst, k1, mask=kv_rows)

@@ -15,7 +15,9 @@ weight is tied to the embedding and cannot take the norm's weight) and write flo
 Two products carry the kernel that followed them in their epilogue (and, for folded norms, the
 1 / rms of x, which they hold whole anyway): gemv_silu_mul (the MLP's gate_up, then
 SiLU-and-multiply) and gemv_rotary_store (attention's qkv, then rotary on q and k and the k/v
-writes into the paged cache, as rotary_store_): one kernel instead of two, each.
+writes into the paged cache, as rotary_store_): one kernel instead of two, each. With a q/k norm
+(Qwen3, Gemma 3) a head's rows span several programs: in gemv_head_norm_store the last of them
+to finish (a ticket per head) norms, rotates and stores the head.
 
 References: gemv_ref (F.linear) and silu_mul_ref, the oracles of the kernel tests.
 """
@@ -267,7 +269,7 @@ def _store_head(QKV, COS, SIN, KV, SLOTS, QW, KW, head, scale, qk_eps, stride_c,
     if head < NUM_HEADS + NUM_KV_HEADS:
         nw = QW if head < NUM_HEADS else KW
         a, b, _, src = rotate_heads(QKV, COS, SIN, 0, head, 0, 2 * HALF, stride_c, scale, nw,
-                                     qk_eps, 1, 1, HALF, True, ".cg")
+                                    qk_eps, 1, 1, HALF, True, ".cg")
         if head < NUM_HEADS:
             tl.store(src, a)
             tl.store(src + HALF, b)
