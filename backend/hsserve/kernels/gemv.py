@@ -266,6 +266,7 @@ def _store_head(QKV, COS, SIN, KV, SLOTS, QW, KW, head, scale, qk_eps, stride_c,
     wrote them): a q head normed and rotated in place, a k head normed, rotated and written to
     the cache, a v head scaled and written."""
     i = tl.arange(0, HALF)[None, :]
+    slot = tl.load(SLOTS).to(tl.int64)
     if head < NUM_HEADS + NUM_KV_HEADS:
         nw = QW if head < NUM_HEADS else KW
         a, b, _, src = rotate_heads(QKV, COS, SIN, 0, head, 0, 2 * HALF, stride_c, scale, nw,
@@ -273,22 +274,18 @@ def _store_head(QKV, COS, SIN, KV, SLOTS, QW, KW, head, scale, qk_eps, stride_c,
         if head < NUM_HEADS:
             tl.store(src, a)
             tl.store(src + HALF, b)
-        else:
-            slot = tl.load(SLOTS).to(tl.int64)
-            if slot >= 0:
-                dst = KV + slot * stride_slot + (head - NUM_HEADS) * stride_head + i
-                tl.store(dst, a)
-                tl.store(dst + HALF, b)
-    else:
-        slot = tl.load(SLOTS).to(tl.int64)
-        if slot >= 0:
-            src = QKV + head * 2 * HALF + i
-            v1 = tl.load(src, cache_modifier=".cg").to(tl.float32) * scale
-            v2 = tl.load(src + HALF, cache_modifier=".cg").to(tl.float32) * scale
-            kvh = head - NUM_HEADS - NUM_KV_HEADS
-            dst = KV + stride_half + slot * stride_slot + kvh * stride_head + i
-            tl.store(dst, v1.to(KV.dtype.element_ty))
-            tl.store(dst + HALF, v2.to(KV.dtype.element_ty))
+        elif slot >= 0:
+            dst = KV + slot * stride_slot + (head - NUM_HEADS) * stride_head + i
+            tl.store(dst, a)
+            tl.store(dst + HALF, b)
+    elif slot >= 0:  # NOTE: a v head
+        src = QKV + head * 2 * HALF + i
+        v1 = tl.load(src, cache_modifier=".cg").to(tl.float32) * scale
+        v2 = tl.load(src + HALF, cache_modifier=".cg").to(tl.float32) * scale
+        kvh = head - NUM_HEADS - NUM_KV_HEADS
+        dst = KV + stride_half + slot * stride_slot + kvh * stride_head + i
+        tl.store(dst, v1.to(KV.dtype.element_ty))
+        tl.store(dst + HALF, v2.to(KV.dtype.element_ty))
 
 
 def head_norm_fits(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
