@@ -20,7 +20,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hsserve.kernels.l2_prefetch import CHUNKS, prefetch_l2
 from hsserve.kernels.pdl import pdl_enter
 
 
@@ -66,21 +65,15 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
-def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, NEXT, pairs, num_experts, N, K,
-                         stride_x, stride_we, stride_wn, stride_out, next_bytes,
-                         ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, WEIGH: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr, PREFETCH: tl.constexpr):
+def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, pairs, num_experts, N, K,
+                         stride_x, stride_we, stride_wn, stride_out, ROW_DIV: tl.constexpr,
+                         SILU_MUL: tl.constexpr, WEIGH: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[pair] = f(X[pair // ROW_DIV] @ W[e]^T) over one block of pairs x BLOCK_N columns;
     SILU_MUL: W holds gate rows then up rows (N each), f = silu(gate) * up; WEIGH: x the pair's
-    routing weight. PREFETCH: the block's expert's next_bytes in NEXT (down's) asked of L2, a
-    share a column tile."""
+    routing weight."""
     pdl_enter(PDL)  # NOTE: which weights to read is the routing's: nothing to load before
     e = tl.load(BLOCK_EXPERT + tl.program_id(0))
-    if PREFETCH > 0:
-        if e < num_experts:
-            prefetch_l2(NEXT, e * next_bytes, next_bytes, tl.program_id(1), tl.num_programs(1),
-                        CHUNKS, PREFETCH)
     if e < num_experts:
         ids = tl.load(IDS + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = ids < pairs
@@ -118,8 +111,6 @@ class GemmConfig(NamedTuple):
 
 DECODE_PAIRS = 128  # NOTE: up to here the decode configs (a few rows per expert block)
 ONE_TOKEN_PAIRS = 16  # NOTE: up to here batch 1's (one block per chosen expert)
-PREFETCH_DOWN = 2  # NOTE: under PDL (one token) gate_up asks L2 for its expert's down weights
-# (l2_prefetch's MODE, 0: none)
 
 
 def gemm_config(pairs: int, silu_mul: bool) -> GemmConfig:
@@ -134,21 +125,16 @@ def gemm_config(pairs: int, silu_mul: bool) -> GemmConfig:
 
 
 def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights, block_m,
-                  config: GemmConfig | None, pdl: bool = False,
-                  prefetch: torch.Tensor | None = None):
-    """prefetch: [E, ...] weights: a share of the block's expert's asked of L2 (l2_prefetch.py)."""
+                  config: GemmConfig | None, pdl: bool = False):
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     cfg = config or gemm_config(pairs, silu_mul)
     grid = (len(block_expert), triton.cdiv(n, cfg.block_n))
     _grouped_gemm_kernel[grid](
-        x, w, out, ids, block_expert, weights if weights is not None else out,
-        prefetch if prefetch is not None else w, pairs, w.shape[0], n, x.shape[1], x.stride(0),
-        w.stride(0), w.stride(1), out.stride(0),
-        prefetch[0].numel() * prefetch.element_size() if prefetch is not None else 0,
-        ROW_DIV=row_div, SILU_MUL=silu_mul, WEIGH=weights is not None, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl,
-        PREFETCH=0 if prefetch is None else PREFETCH_DOWN,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+        x, w, out, ids, block_expert, weights if weights is not None else out, pairs, w.shape[0],
+        n, x.shape[1], x.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div,
+        SILU_MUL=silu_mul, WEIGH=weights is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl)
     return out
 
 
@@ -210,9 +196,8 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     ids, block_expert = aligned or align_pairs(experts, gate_up.shape[0], block_m)
     inter = down.shape[2]
     pairs = tokens * k
-    ahead = pdl and PREFETCH_DOWN > 0  # NOTE: one token: down's weights asked of L2 by gate_up
     h = _grouped_gemm(x.contiguous(), gate_up, ids, block_expert, pairs, inter, k, True, None,
-                      block_m, configs[0], pdl, down if ahead else None)
+                      block_m, configs[0], pdl)
     y = _grouped_gemm(h, down, ids, block_expert, pairs, down.shape[1], 1, False,
                       weights.float().reshape(-1).contiguous(), block_m, configs[1], pdl)
     return sum_pairs(y, k, pdl=pdl, into=into)

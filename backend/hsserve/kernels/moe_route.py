@@ -17,27 +17,24 @@ import torch
 import triton
 import triton.language as tl
 
-from hsserve.kernels.l2_prefetch import CHUNKS, nbytes, prefetch_l2
 from hsserve.kernels.moe import aligned_rows
 from hsserve.kernels.pdl import pdl_enter
 
 MAX_PAIRS = 128  # NOTE: the pairwise rank below is [pairs, pairs] in registers
 ROUTE_WARPS = 4  # NOTE: the fastest at decode sizes (bench/moe_kernels.py): 1 or 2 are slower
 ONE_EXPERTS = 256  # NOTE: the one-token kernel's ranks are [E, E] in registers
-PREFETCH_NEXT = 2  # NOTE: the router's ask for the next qkv (l2_prefetch's MODE, 0: none)
 ROUTER_EXPERTS = 2  # NOTE: router rows a program (bench/moe_kernels.py); fixed: it shapes sums
 
 
 @triton.jit
-def _router_kernel(X, W, OUT, XN, TICKET, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, NEXT, num_experts,
-                   K, stride_x, stride_w, eps, rows, next_bytes, BLOCK_E: tl.constexpr,
-                   KP: tl.constexpr, NORM: tl.constexpr, ROUTE_K: tl.constexpr,
-                   RENORM: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+def _router_kernel(X, W, OUT, XN, TICKET, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, K,
+                   stride_x, stride_w, eps, rows, BLOCK_E: tl.constexpr, KP: tl.constexpr,
+                   NORM: tl.constexpr, ROUTE_K: tl.constexpr, RENORM: tl.constexpr,
+                   E_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   PDL: tl.constexpr):
     """OUT[t, e] = sum_k X[t, k] W[e, k] in float64, for one token and BLOCK_E experts. NORM: X is
     the residual stream, RMS-normed here (no weight: it is in W) and written to XN. ROUTE_K > 0
-    (one token): the last program to finish routes the token (_route_one). PREFETCH: the
-    next_bytes at NEXT (the next layer's first weights) asked of L2, a share a program."""
+    (one token): the last program to finish routes the token (_route_one)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     rk = tl.arange(0, KP)
@@ -55,9 +52,6 @@ def _router_kernel(X, W, OUT, XN, TICKET, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, N
     # place in it or the launch, and identical router rows tie exactly
     logits = tl.sum(w.to(tl.float64) * x.to(tl.float64)[None, :], axis=1)
     tl.store(OUT + t * num_experts + e, logits, mask=e < num_experts)
-    if PREFETCH > 0:  # NOTE: the memory system idles while the routing runs
-        prefetch_l2(NEXT, 0, next_bytes, tl.program_id(1), tl.num_programs(1), CHUNKS,
-                    PREFETCH == 2)
     if ROUTE_K > 0:
         tl.debug_barrier()  # NOTE: every thread's logits stored before the ticket is taken
         if tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
@@ -77,9 +71,8 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, pdl: bool = False,
     return out
 
 
-def _launch_router(x, w, out, normed, norm_eps, route, pdl, block_e=None, prefetch=None):
-    """route: (ticket, weights, experts, ids, block_expert, k, renormalize, block_m) or None;
-    prefetch: weights to ask L2 for (contiguous)."""
+def _launch_router(x, w, out, normed, norm_eps, route, pdl, block_e=None):
+    """route: (ticket, weights, experts, ids, block_expert, k, renormalize, block_m) or None."""
     tokens, hidden = x.shape
     num_experts = w.shape[0]
     assert w.shape[1] == hidden and x.stride(1) == 1 and w.stride(1) == 1
@@ -89,16 +82,12 @@ def _launch_router(x, w, out, normed, norm_eps, route, pdl, block_e=None, prefet
     warps = min(16, max(1, block_e * kp // 1024))  # NOTE: ~32 float64 products a thread
     ticket, weights, experts, ids, blocks, k, renorm, block_m = route or (out,) * 5 + (0, 0, 1)
     rows = len(ids) if route else 1
-    assert prefetch is None or prefetch.is_contiguous()
     _router_kernel[(tokens, triton.cdiv(num_experts, block_e))](
         x, w, out, normed if normed is not None else x, ticket, weights, experts, ids, blocks,
-        prefetch if prefetch is not None else w, num_experts, hidden, x.stride(0), w.stride(0),
-        norm_eps or 0.0, rows, nbytes(prefetch) if prefetch is not None else 0,
-        BLOCK_E=block_e, KP=kp, NORM=norm_eps is not None, ROUTE_K=k, RENORM=bool(renorm),
+        num_experts, hidden, x.stride(0), w.stride(0), norm_eps or 0.0, rows, BLOCK_E=block_e,
+        KP=kp, NORM=norm_eps is not None, ROUTE_K=k, RENORM=bool(renorm),
         E_PAD=triton.next_power_of_2(num_experts), R_PAD=triton.next_power_of_2(rows),
-        BLOCK_M=block_m, PDL=pdl, PREFETCH=0 if prefetch is None else PREFETCH_NEXT,
-        num_warps=warps,
-        launch_pdl=pdl)
+        BLOCK_M=block_m, PDL=pdl, num_warps=warps, launch_pdl=pdl)
 
 
 @triton.jit
@@ -260,13 +249,12 @@ def _routed(tokens: int, k: int, rows: int, block_m: int, dev: torch.device):
 
 def decode_route(x: torch.Tensor, w: torch.Tensor, k: int, renormalize: bool, block_m: int,
                  pdl: bool = False, norm_eps: float | None = None,
-                 ticket: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
+                 ticket: torch.Tensor | None = None):
     """A decode step's routing of the rows x [T, H] -> (the rows the experts read, route_align's
     four tensors). norm_eps: x is the residual stream, RMS-normed by the router (the norm's weight
     is in w and the experts'). With a ticket (int32 [1], zero; zero again after), one token and
     at most ONE_EXPERTS experts: one launch, the router's last program routing; else
-    router_logits, then route_align. prefetch (one launch, under pdl only): weights the router's
-    programs ask L2 for while the routing runs (kernels/l2_prefetch.py)."""
+    router_logits, then route_align."""
     tokens, num_experts = len(x), w.shape[0]
     normed = torch.empty_like(x) if norm_eps is not None else None
     if ticket is None or tokens != 1 or triton.next_power_of_2(num_experts) > ONE_EXPERTS:
@@ -276,6 +264,5 @@ def decode_route(x: torch.Tensor, w: torch.Tensor, k: int, renormalize: bool, bl
         routed = _routed(1, k, aligned_rows(k, num_experts, block_m), block_m, x.device)
         logits = torch.empty(1, num_experts, dtype=torch.float64, device=x.device)
         _launch_router(x, w, logits, normed, norm_eps,
-                       (ticket, *routed, k, renormalize, block_m), pdl,
-                       prefetch=prefetch if pdl else None)
+                       (ticket, *routed, k, renormalize, block_m), pdl)
     return (x if normed is None else normed), routed

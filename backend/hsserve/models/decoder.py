@@ -229,12 +229,10 @@ class Decoder(nn.Module):
         spec, w = self.spec, self.layers[0].attn.qkv.weight
         if spec.qkv_bias or spec.gemma_norms or w is None or w.dtype == torch.float16:
             return False
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             layer.attn.qkv.fold_norm(layer.input_norm.weight)
             mlp = layer.mlp
             (mlp if isinstance(mlp, MoE) else mlp.gate_up).fold_norm(layer.post_attn_norm.weight)
-            if isinstance(mlp, MoE) and i + 1 < len(self.layers):
-                mlp.next_weights = self.layers[i + 1].attn.qkv.weight
         self.folded = True
         return True
 

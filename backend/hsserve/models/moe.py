@@ -44,8 +44,6 @@ class MoE(nn.Module):
         # NOTE: Mixtral weighs an expert's output in float32, Qwen3-MoE in the model's dtype
         self.weigh_in_float = spec.family == "mixtral"
         self.reduce = None  # NOTE: tensor parallelism: each expert's rank share summed (Linear's)
-        # NOTE: the next layer's qkv weight (Decoder.fold_norms), asked of L2 during the routing
-        self.next_weights: torch.Tensor | None = None
 
     def prepare(self) -> None:
         """After loading: the router's float64 copy and the routing's ticket (made here, not
@@ -102,7 +100,7 @@ class MoE(nn.Module):
             pdl = pdl_on(x)
             rows, routed = decode_route(x, self.router, self.top_k, self.renormalize,
                                         block_rows(len(x) * self.top_k), pdl, folded_eps,
-                                        self._ticket, self.next_weights)
+                                        self._ticket)
             weights, experts, ids, blocks = routed
             out = fused_experts(rows, self.gate_up, self.down, weights, experts,
                                 self.weigh_in_float, (ids, blocks), pdl=pdl, into=into)
