@@ -429,6 +429,31 @@ def check_moe(device, dtype, tokens, experts, k, hidden, inter, seed=0, configs=
     assert torch.equal(into, (stream.float() + got.float()).to(dtype))
 
 
+def check_one_token_experts(device, dtype, experts, hidden, inter, k, renormalize, seed=0):
+    """one_token_experts (gate_up's programs route the token from its float64 logits) equals
+    route_align's routing through fused_experts bit for bit, alone and added `into` a stream;
+    two identical router rows (a tie) both chosen, in route_align's order."""
+    from hsserve.kernels.moe import fused_experts, one_token_experts
+    from hsserve.kernels.moe_route import route_align, router_logits
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(1, hidden, generator=g)
+    w = torch.randn(experts, hidden, generator=g) / hidden**0.5
+    w[2] = w[1] = x[0] / x[0].norm()  # NOTE: the largest logits, tied
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    x, w, gate_up, down = (t.to(device, dtype) for t in (x, w, gate_up, down))
+    logits = router_logits(x, w)
+    weights, chosen, _, _ = route_align(logits, k, renormalize, 16, one=False)
+    assert chosen[0, :2].tolist() == [1, 2]
+    want = fused_experts(x, gate_up, down, weights, chosen, True)
+    got = one_token_experts(x, logits, gate_up, down, k, renormalize)
+    assert torch.equal(got, want)
+    stream = torch.randn(1, hidden, generator=g).to(device, dtype)
+    into = one_token_experts(x, logits, gate_up, down, k, renormalize, into=stream.clone())
+    assert torch.equal(into, (stream.float() + got.float()).to(dtype))
+
+
 def check_router_logits(device, dtype, tokens, experts, hidden, seed=0, block_e=None):
     """router_logits equals F.linear in float64 (to float64 rounding); identical router rows tie
     exactly (in one program's tile and across programs); a row's logits are the same bits alone

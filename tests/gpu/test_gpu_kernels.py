@@ -194,6 +194,16 @@ def test_moe_decode_route_matches_router_then_route_align(dtype, tokens, experts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts, hidden, inter, k, renormalize", [
+    (128, 2048, 768, 8, True), (8, 4096, 512, 2, True), (60, 200, 40, 4, False)])
+def test_moe_one_token_experts_route_in_gate_up(dtype, experts, hidden, inter, k, renormalize):
+    # Qwen3-30B-A3B, Mixtral (a narrower expert), odd sizes
+    from kernel_cases import check_one_token_experts
+
+    check_one_token_experts("cuda", dtype, experts, hidden, inter, k, renormalize)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 24])
 def test_attention_kernels_soft_cap(dtype, window):
     # Gemma 2's capping in both attention kernels (its decode graphs and prefill)

@@ -164,6 +164,13 @@ def test_moe_decode_route_matches_router_then_route_align(tokens, experts, k, re
     check_decode_route("cpu", torch.float32, tokens, experts, 40, k, renormalize)
 
 
+@pytest.mark.parametrize("experts, k, renormalize", [(16, 4, True), (6, 3, False)])
+def test_moe_one_token_experts_route_in_gate_up(experts, k, renormalize):
+    from kernel_cases import check_one_token_experts
+
+    check_one_token_experts("cpu", torch.float32, experts, 40, 24, k, renormalize)
+
+
 @pytest.mark.parametrize("window", [None, 24])
 def test_attention_kernels_soft_cap(window):
     # Gemma 2: scores capped (softcap * tanh(s / softcap)) before the mask, decode and varlen

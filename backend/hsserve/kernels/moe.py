@@ -65,17 +65,63 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
-def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, pairs, num_experts, N, K,
-                         stride_x, stride_we, stride_wn, stride_out, ROW_DIV: tl.constexpr,
-                         SILU_MUL: tl.constexpr, WEIGH: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _route_slot(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, K: tl.constexpr,
+                RENORM: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One token's routing from its float64 logits, as route_align's (k rounds of a maximum of
+    the keys: probability bits over the index reversed), in every program: -> (the expert of
+    this program's slot, its block's pair ids: the slot, then padding). The first column tile
+    writes the slot's weight, expert, ids and block expert (for down)."""
+    j = tl.program_id(0)
+    ev = tl.arange(0, E_PAD)
+    real = ev < num_experts
+    lg = tl.load(LOGITS + ev, mask=real, other=float("-inf"))
+    ex = tl.exp(lg - tl.max(lg, 0))
+    probs = (ex / tl.sum(ex, 0)).to(tl.float32)
+    key = tl.where(real, (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - ev),
+                   -1)
+    mine = j * 0
+    weight = 0.0
+    total = 0.0
+    for s in tl.static_range(K):
+        best = tl.max(key, 0)
+        hi = best >> 32
+        idx = (E_PAD - 1 - (best - (hi << 32))).to(tl.int32)
+        prob = hi.to(tl.int32).to(tl.float32, bitcast=True)
+        mine = tl.where(j == s, idx, mine)
+        weight = tl.where(j == s, prob, weight)
+        total += prob
+        key = tl.where(ev == idx, -1, key)
+    if RENORM:
+        weight = weight / total
+    r = tl.arange(0, BLOCK_M)
+    ids = tl.where(r == 0, j, K).to(tl.int64)
+    if tl.program_id(1) == 0:
+        tl.store(WEIGHTS + j, weight)
+        tl.store(EXPERTS + j, mine.to(tl.int64))
+        tl.store(IDS + j * BLOCK_M + r, ids)
+        tl.store(BLOCK_EXPERT + j, mine.to(tl.int64))
+    return mine.to(tl.int64), ids
+
+
+@triton.jit
+def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, LOGITS, EXPERTS, pairs,
+                         num_experts, N, K, stride_x, stride_we, stride_wn, stride_out,
+                         ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, WEIGH: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr, ROUTE_K: tl.constexpr, RENORM: tl.constexpr,
+                         E_PAD: tl.constexpr):
     """OUT[pair] = f(X[pair // ROW_DIV] @ W[e]^T) over one block of pairs x BLOCK_N columns;
     SILU_MUL: W holds gate rows then up rows (N each), f = silu(gate) * up; WEIGH: x the pair's
-    routing weight."""
+    routing weight. ROUTE_K > 0 (one token, gate_up): each program routes the token from LOGITS
+    (_route_slot): block j is slot j."""
     pdl_enter(PDL)  # NOTE: which weights to read is the routing's: nothing to load before
-    e = tl.load(BLOCK_EXPERT + tl.program_id(0))
-    if e < num_experts:
+    if ROUTE_K > 0:
+        e, ids = _route_slot(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, ROUTE_K,
+                             RENORM, E_PAD, BLOCK_M)
+    else:
+        e = tl.load(BLOCK_EXPERT + tl.program_id(0))
         ids = tl.load(IDS + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    if e < num_experts:
         valid = ids < pairs
         rows = tl.where(valid, ids, 0) // ROW_DIV
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,16 +171,20 @@ def gemm_config(pairs: int, silu_mul: bool) -> GemmConfig:
 
 
 def _grouped_gemm(x, w, ids, block_expert, pairs, n, row_div, silu_mul, weights, block_m,
-                  config: GemmConfig | None, pdl: bool = False):
+                  config: GemmConfig | None, pdl: bool = False, route=None):
+    """route: (logits, experts, k, renormalize): one token's routing in gate_up's programs,
+    written into weights, experts, ids and block_expert."""
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     cfg = config or gemm_config(pairs, silu_mul)
     grid = (len(block_expert), triton.cdiv(n, cfg.block_n))
+    logits, experts, route_k, renorm = route or (out, out, 0, False)
     _grouped_gemm_kernel[grid](
-        x, w, out, ids, block_expert, weights if weights is not None else out, pairs, w.shape[0],
-        n, x.shape[1], x.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div,
-        SILU_MUL=silu_mul, WEIGH=weights is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=pdl)
+        x, w, out, ids, block_expert, weights if weights is not None else out, logits, experts,
+        pairs, w.shape[0], n, x.shape[1], x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        ROW_DIV=row_div, SILU_MUL=silu_mul, WEIGH=weights is not None and route is None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, ROUTE_K=route_k,
+        RENORM=bool(renorm), E_PAD=triton.next_power_of_2(w.shape[0]),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return out
 
 
@@ -200,4 +250,22 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                       block_m, configs[0], pdl)
     y = _grouped_gemm(h, down, ids, block_expert, pairs, down.shape[1], 1, False,
                       weights.float().reshape(-1).contiguous(), block_m, configs[1], pdl)
+    return sum_pairs(y, k, pdl=pdl, into=into)
+
+
+def one_token_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, k: int, renormalize: bool, pdl: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_experts for one token routed inside gate_up's programs from its float64 router
+    logits [1, E] (no routing launch): gate_up's block j is slot j's expert."""
+    assert len(x) == 1 and logits.shape == (1, gate_up.shape[0]) and k <= gate_up.shape[0]
+    block_m = block_rows(k)
+    dev = x.device
+    weights = torch.empty(1, k, dtype=torch.float32, device=dev)
+    experts = torch.empty(1, k, dtype=torch.int64, device=dev)
+    ids = torch.empty(k * block_m, dtype=torch.int64, device=dev)
+    block_expert = torch.empty(k, dtype=torch.int64, device=dev)
+    h = _grouped_gemm(x.contiguous(), gate_up, ids, block_expert, k, down.shape[2], k, True,
+                      weights, block_m, None, pdl, (logits, experts, k, renormalize))
+    y = _grouped_gemm(h, down, ids, block_expert, k, down.shape[1], 1, False, weights, block_m,
+                      None, pdl)
     return sum_pairs(y, k, pdl=pdl, into=into)

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import nn
 
-from hsserve.kernels.moe import block_rows, experts_ref, fused_experts
+from hsserve.kernels.moe import block_rows, experts_ref, fused_experts, one_token_experts
 from hsserve.kernels.elementwise import add_rmsnorm
-from hsserve.kernels.moe_route import MAX_PAIRS, decode_route
+from hsserve.kernels.moe_route import MAX_PAIRS, ONE_EXPERTS, decode_route, router_logits
 from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
+
+ROUTE_IN_GATE_UP = True  # NOTE: one token: gate_up's programs route (no routing stage)
 
 
 class MoE(nn.Module):
@@ -96,7 +99,14 @@ class MoE(nn.Module):
         into = x if folded_eps is not None and self.reduce is None else None
         if self._ticket is None:
             self.prepare()
-        if self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
+        if (ROUTE_IN_GATE_UP and len(x) == 1 and x.is_cuda
+                and triton.next_power_of_2(len(self.router)) <= ONE_EXPERTS):
+            pdl = pdl_on(x)
+            normed = torch.empty_like(x) if folded_eps is not None else None
+            logits = router_logits(x, self.router, pdl, norm_eps=folded_eps, normed=normed)
+            out = one_token_experts(x if normed is None else normed, logits, self.gate_up,
+                                    self.down, self.top_k, self.renormalize, pdl, into)
+        elif self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
             pdl = pdl_on(x)
             rows, routed = decode_route(x, self.router, self.top_k, self.renormalize,
                                         block_rows(len(x) * self.top_k), pdl, folded_eps,

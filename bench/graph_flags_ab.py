@@ -1,0 +1,72 @@
+"""A/B of module flags in a real batch-1 decode graph: one engine, its graph recaptured with each
+variant's flags set, replays timed by CUDA events (best of 2 x 100, variants interleaved
+`--rounds` times). Random weights.
+
+    python bench/graph_flags_ab.py --variant off hsserve.models.moe:ROUTE_IN_GATE_UP=0 \\
+        --variant on hsserve.models.moe:ROUTE_IN_GATE_UP=1 [--shape qwen3-30b-a3b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import event_ms, write_result  # noqa: E402
+from gpu_decode import engine_run, make_engine  # noqa: E402
+from shapes import random_model  # noqa: E402
+
+
+def _flags(specs: list[str]) -> list[tuple[object, str, object]]:
+    out = []
+    for spec in specs:
+        target, value = spec.split("=")
+        module, attr = target.split(":")
+        out.append((importlib.import_module(module), attr, int(value)))
+    return out
+
+
+def replay_us(engine, flags) -> float:
+    old = [(m, a, getattr(m, a)) for m, a, _ in flags]
+    for m, a, v in flags:
+        setattr(m, a, type(getattr(m, a))(v))
+    try:
+        graphs = engine.executor.graphs
+        graphs.capture()
+        return 1000 * min(event_ms(graphs.graphs[(1, False)].replay, 100) for _ in range(2))
+    finally:
+        for m, a, v in old:
+            setattr(m, a, v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--variant", nargs="+", action="append", required=True,
+                    help="NAME module:ATTR=INT ...")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    variants = {v[0]: _flags(v[1:]) for v in args.variant}
+    engine = make_engine(random_model(args.shape), 1)
+    rows: dict[str, float] = {}
+    try:
+        engine_run(engine, 1, tag="warm")
+        for _ in range(args.rounds):
+            for name, flags in variants.items():
+                us = replay_us(engine, flags)
+                rows[name] = round(min(rows.get(name, us), us), 1)
+                print(json.dumps({"variant": name, "us": round(us, 1)}), flush=True)
+    finally:
+        engine.shutdown()
+    write_result(args.out or os.path.join(os.path.dirname(__file__), "results",
+                                          f"h200_graph_flags_{args.shape}.json"),
+                 {"benchmark": "graph_flags_ab", "shape": args.shape, "batch": 1,
+                  "variants": {v[0]: v[1:] for v in args.variant}, "replay_us": rows})
+
+
+if __name__ == "__main__":
+    main()
