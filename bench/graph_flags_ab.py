@@ -2,8 +2,12 @@
 variant's flags set, replays timed by CUDA events (best of 2 x 100, variants interleaved
 `--rounds` times). Random weights.
 
-    python bench/graph_flags_ab.py --variant off hsserve.models.moe:ROUTE_IN_GATE_UP=0 \\
-        --variant on hsserve.models.moe:ROUTE_IN_GATE_UP=1 [--shape qwen3-30b-a3b]
+    python bench/graph_flags_ab.py --variant pdl hsserve.kernels.pdl:_MAX_ROWS=1 \\
+        --variant no_pdl hsserve.kernels.pdl:_MAX_ROWS=0 [--shape qwen3-30b-a3b] [--rounds 3]
+
+A flag is an int module attribute read at launch (cast to the attribute's type: 0/1 for a
+bool); the graph is recaptured with it, so kernels see it. 221d4da's one-token routing inside
+gate_up was decided with it (ROUTE_IN_GATE_UP, removed once kept).
 """
 
 from __future__ import annotations

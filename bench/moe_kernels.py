@@ -156,14 +156,11 @@ def bench_routing(moes, xs, batch, rows, best, defaults):
         lg = [router(i, None) for i in range(calls)]
 
         def route(i, warps):
-            if warps == "general":  # NOTE: batch 1 through the kernel for any batch
-                return route_align(lg[i], k, True, block_m, None, pdl, one=False)
             return route_align(lg[i], k, True, block_m, warps, pdl)
 
         defaults["route_align"] = ROUTE_WARPS
-        configs = ROUTE_CONFIGS + (["general"] if batch == 1 else [])
-        best["route_align"] = sweep(rows, batch, "route_align", configs, route, same_routing, 0,
-                                    calls)
+        best["route_align"] = sweep(rows, batch, "route_align", ROUTE_CONFIGS, route,
+                                    same_routing, 0, calls)
     else:
         best["router"] = sweep(rows, batch, "router", [None], lambda i, _c: moes[i].logits(xs[i]),
                                equal, e * hidden * 8 / TB * 1e6, calls)

@@ -152,12 +152,9 @@ def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
     check_route_align("cpu", tokens, experts, k, renormalize)
-    if tokens == 1:  # NOTE: the general kernel too (route_align takes the one-token one)
-        check_route_align("cpu", tokens, experts, k, renormalize, one=False)
 
 
-@pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 16, 4, True), (1, 6, 3, False),
-                                                             (3, 8, 2, True)])
+@pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 16, 4, True), (3, 8, 2, True)])
 def test_moe_decode_route_matches_router_then_route_align(tokens, experts, k, renormalize):
     from kernel_cases import check_decode_route
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hsserve.kernels.moe_route import aligned_rows, route_slot
 from hsserve.kernels.pdl import pdl_enter
 
 
@@ -37,11 +38,6 @@ def experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         y = F.linear(F.silu(gate) * up, down[e]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(x.dtype))
     return out
-
-
-def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows of the grouped ids at most: the pairs, each used expert's group padded to block_m."""
-    return -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m) * block_m
 
 
 def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int):
@@ -65,45 +61,6 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
-def _route_slot(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, K: tl.constexpr,
-                RENORM: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One token's routing from its float64 logits, as route_align's (k rounds of a maximum of
-    the keys: probability bits over the index reversed), in every program: -> (the expert of
-    this program's slot, its block's pair ids: the slot, then padding). The first column tile
-    writes the slot's weight, expert, ids and block expert (for down)."""
-    j = tl.program_id(0)
-    ev = tl.arange(0, E_PAD)
-    real = ev < num_experts
-    lg = tl.load(LOGITS + ev, mask=real, other=float("-inf"))
-    ex = tl.exp(lg - tl.max(lg, 0))
-    probs = (ex / tl.sum(ex, 0)).to(tl.float32)
-    key = tl.where(real, (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - ev),
-                   -1)
-    mine = j * 0
-    weight = 0.0
-    total = 0.0
-    for s in tl.static_range(K):
-        best = tl.max(key, 0)
-        hi = best >> 32
-        idx = (E_PAD - 1 - (best - (hi << 32))).to(tl.int32)
-        prob = hi.to(tl.int32).to(tl.float32, bitcast=True)
-        mine = tl.where(j == s, idx, mine)
-        weight = tl.where(j == s, prob, weight)
-        total += prob
-        key = tl.where(ev == idx, -1, key)
-    if RENORM:
-        weight = weight / total
-    r = tl.arange(0, BLOCK_M)
-    ids = tl.where(r == 0, j, K).to(tl.int64)
-    if tl.program_id(1) == 0:
-        tl.store(WEIGHTS + j, weight)
-        tl.store(EXPERTS + j, mine.to(tl.int64))
-        tl.store(IDS + j * BLOCK_M + r, ids)
-        tl.store(BLOCK_EXPERT + j, mine.to(tl.int64))
-    return mine.to(tl.int64), ids
-
-
-@triton.jit
 def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, LOGITS, EXPERTS, pairs,
                          num_experts, N, K, stride_x, stride_we, stride_wn, stride_out,
                          ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, WEIGH: tl.constexpr,
@@ -113,11 +70,11 @@ def _grouped_gemm_kernel(X, W, OUT, IDS, BLOCK_EXPERT, WEIGHTS, LOGITS, EXPERTS,
     """OUT[pair] = f(X[pair // ROW_DIV] @ W[e]^T) over one block of pairs x BLOCK_N columns;
     SILU_MUL: W holds gate rows then up rows (N each), f = silu(gate) * up; WEIGH: x the pair's
     routing weight. ROUTE_K > 0 (one token, gate_up): each program routes the token from LOGITS
-    (_route_slot): block j is slot j."""
+    (moe_route.py route_slot): block j is slot j."""
     pdl_enter(PDL)  # NOTE: which weights to read is the routing's: nothing to load before
     if ROUTE_K > 0:
-        e, ids = _route_slot(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, ROUTE_K,
-                             RENORM, E_PAD, BLOCK_M)
+        e, ids = route_slot(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, ROUTE_K,
+                            RENORM, E_PAD, BLOCK_M)
     else:
         e = tl.load(BLOCK_EXPERT + tl.program_id(0))
         ids = tl.load(IDS + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))

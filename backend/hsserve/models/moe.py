@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts, one_token_experts
 from hsserve.kernels.elementwise import add_rmsnorm
-from hsserve.kernels.moe_route import MAX_PAIRS, ONE_EXPERTS, decode_route, router_logits
+from hsserve.kernels.moe_route import MAX_PAIRS, decode_route, router_logits
 from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
-
-ROUTE_IN_GATE_UP = True  # NOTE: one token: gate_up's programs route (no routing stage)
 
 
 class MoE(nn.Module):
@@ -43,16 +40,15 @@ class MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
         self._router64: torch.Tensor | None = None  # NOTE: made by prepare(), after loading
-        self._ticket = self._ones = None
+        self._ones = None
         # NOTE: Mixtral weighs an expert's output in float32, Qwen3-MoE in the model's dtype
         self.weigh_in_float = spec.family == "mixtral"
         self.reduce = None  # NOTE: tensor parallelism: each expert's rank share summed (Linear's)
 
     def prepare(self) -> None:
-        """After loading: the router's float64 copy and the routing's ticket (made here, not
-        inside a graph capture)."""
+        """After loading: the router's float64 copy and fold_norm's weight of ones (made here,
+        not inside a graph capture)."""
         self._router64 = self.router.double()
-        self._ticket = torch.zeros(1, dtype=torch.int32, device=self.router.device)
         self._ones = self.gate_up.new_ones(self.gate_up.shape[-1])  # NOTE: fold_norm's norm
 
     @torch.no_grad()
@@ -97,20 +93,18 @@ class MoE(nn.Module):
         cast here) -> the experts' output. folded_eps (fold_norm's layers): x is the residual
         stream, normed here without a weight, and the output is added into it (returned)."""
         into = x if folded_eps is not None and self.reduce is None else None
-        if self._ticket is None:
+        if self._ones is None:
             self.prepare()
-        if (ROUTE_IN_GATE_UP and len(x) == 1 and x.is_cuda
-                and triton.next_power_of_2(len(self.router)) <= ONE_EXPERTS):
-            pdl = pdl_on(x)
+        if x.is_cuda and len(x) == 1:  # NOTE: router, then gate_up routing as it goes
             normed = torch.empty_like(x) if folded_eps is not None else None
+            pdl = pdl_on(x)
             logits = router_logits(x, self.router, pdl, norm_eps=folded_eps, normed=normed)
             out = one_token_experts(x if normed is None else normed, logits, self.gate_up,
                                     self.down, self.top_k, self.renormalize, pdl, into)
         elif self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
             pdl = pdl_on(x)
             rows, routed = decode_route(x, self.router, self.top_k, self.renormalize,
-                                        block_rows(len(x) * self.top_k), pdl, folded_eps,
-                                        self._ticket)
+                                        block_rows(len(x) * self.top_k), pdl, folded_eps)
             weights, experts, ids, blocks = routed
             out = fused_experts(rows, self.gate_up, self.down, weights, experts,
                                 self.weigh_in_float, (ids, blocks), pdl=pdl, into=into)
