@@ -8,7 +8,9 @@ launches of one kernel: gate_up with SiLU-and-mul (h [pairs, I]), and down scale
 routing weight (y [pairs, H]); then the k pairs of a token are summed (sum_pairs). A block reads
 only its expert's weights, so a decode step reads each chosen expert once (at batch 1, only the
 chosen ones). The launch (tile, warps, stages) is gemm_config's, by size; bench/moe_kernels.py
-sweeps it. At one token the launches chain by programmatic dependent launch (kernels/pdl.py).
+sweeps it. At one token the launches chain by programmatic dependent launch (kernels/pdl.py),
+and one_token_experts has gate_up's programs route the token from the router's logits
+(moe_route.py route_slot): block j is slot j's expert, and no routing launch runs before.
 """
 
 from __future__ import annotations

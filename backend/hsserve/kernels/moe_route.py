@@ -86,6 +86,14 @@ def _keys(probs, e, real, E_PAD: tl.constexpr):
 
 
 @triton.jit
+def _unkey(best, E_PAD: tl.constexpr):
+    """A key (_keys) -> (its expert, its probability)."""
+    hi = best >> 32
+    return (E_PAD - 1 - (best - (hi << 32))).to(tl.int32), hi.to(tl.int32).to(tl.float32,
+                                                                               bitcast=True)
+
+
+@triton.jit
 def _route_align_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, tokens, num_experts,
                         rows, num_blocks, K: tl.constexpr, RENORM: tl.constexpr,
                         E_PAD: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -107,10 +115,7 @@ def _route_align_kernel(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, tokens, num
     weight = tl.zeros((T_PAD, K_PAD), dtype=tl.float32)
     total = tl.zeros((T_PAD,), dtype=tl.float32)
     for s in tl.static_range(K):
-        best = tl.max(key, 1)
-        hi = best >> 32
-        idx = (E_PAD - 1 - (best - (hi << 32))).to(tl.int32)
-        prob = hi.to(tl.int32).to(tl.float32, bitcast=True)
+        idx, prob = _unkey(tl.max(key, 1), E_PAD)
         chosen = tl.where(j[None, :] == s, idx[:, None], chosen)
         weight = tl.where(j[None, :] == s, prob[:, None], weight)
         total += prob
@@ -212,10 +217,7 @@ def route_slot(LOGITS, WEIGHTS, EXPERTS, IDS, BLOCK_EXPERT, num_experts, K: tl.c
     weight = 0.0
     total = 0.0
     for s in tl.static_range(K):
-        best = tl.max(key, 0)
-        hi = best >> 32
-        idx = (E_PAD - 1 - (best - (hi << 32))).to(tl.int32)
-        prob = hi.to(tl.int32).to(tl.float32, bitcast=True)
+        idx, prob = _unkey(tl.max(key, 0), E_PAD)
         mine = tl.where(j == s, idx, mine)
         weight = tl.where(j == s, prob, weight)
         total += prob

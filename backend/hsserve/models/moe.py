@@ -14,7 +14,8 @@ BLAS, none that float32 or bfloat16 could tell apart.
 With the norms folded (Decoder.fold_norms, on CUDA) the layer takes the residual stream: the norm
 before it, without its weight (folded into the router and gate_up), is done by the router kernel
 at decode sizes (by add_rmsnorm above), and the output is added into the stream by the pairs'
-sum. At one token the router's last program also routes (kernels/moe_route.py decode_route).
+sum. At one token gate_up's programs route the token themselves (kernels/moe.py
+one_token_experts): router, gate_up, down and the sum are the layer's four launches.
 """
 
 from __future__ import annotations
