@@ -22,8 +22,9 @@ from hsserve.kernels.pdl import pdl_enter
 
 MAX_PAIRS = 128  # NOTE: the pairwise rank below is [pairs, pairs] in registers
 ROUTE_WARPS = 4  # NOTE: the fastest at decode sizes (bench/moe_kernels.py): 1 or 2 are slower
-ROUTER_EXPERTS = 4  # NOTE: router rows a program (bench/README.md#mixture-of-experts-h200); it shapes
-# the float64 sums (the same for every batch, so fixed, not chosen by size)
+# NOTE: router rows a program (bench/README.md#mixture-of-experts-h200); it shapes the float64
+# sums: the same for every batch, so fixed, not chosen by size
+ROUTER_EXPERTS = 4
 
 
 def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
