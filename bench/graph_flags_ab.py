@@ -5,14 +5,16 @@ variant's flags set, replays timed by CUDA events (best of 2 x 100, variants int
     python bench/graph_flags_ab.py --variant pdl hsserve.kernels.pdl:_MAX_ROWS=1 \\
         --variant no_pdl hsserve.kernels.pdl:_MAX_ROWS=0 [--shape qwen3-30b-a3b] [--rounds 3]
 
-A flag is an int module attribute read at launch (cast to the attribute's type: 0/1 for a
-bool); the graph is recaptured with it, so kernels see it. 221d4da's one-token routing inside
+A flag is a module attribute read at launch, set to a Python literal (an int is cast to the
+attribute's type: 0/1 for a bool; a tuple or dict as given; quote it for the shell); the graph is
+recaptured with it, so kernels see it. 221d4da's one-token routing inside
 gate_up was decided with it (ROUTE_IN_GATE_UP, removed once kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import json
 import os
@@ -27,16 +29,16 @@ from shapes import random_model  # noqa: E402
 def _flags(specs: list[str]) -> list[tuple[object, str, object]]:
     out = []
     for spec in specs:
-        target, value = spec.split("=")
+        target, value = spec.split("=", 1)
         module, attr = target.split(":")
-        out.append((importlib.import_module(module), attr, int(value)))
+        out.append((importlib.import_module(module), attr, ast.literal_eval(value)))
     return out
 
 
 def replay_us(engine, flags) -> float:
     old = [(m, a, getattr(m, a)) for m, a, _ in flags]
     for m, a, v in flags:
-        setattr(m, a, type(getattr(m, a))(v))
+        setattr(m, a, type(getattr(m, a))(v) if isinstance(v, int) else v)
     try:
         graphs = engine.executor.graphs
         graphs.capture()
@@ -50,7 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-30b-a3b")
     ap.add_argument("--variant", nargs="+", action="append", required=True,
-                    help="NAME module:ATTR=INT ...")
+                    help="NAME module:ATTR=LITERAL ...")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
