@@ -231,7 +231,7 @@ def _merge_splits(ACC, STATS, OUT, b, heads, valid, d, like_m, like_acc, stride_
 # NOTE: (keys per loop step of a split (whole pages), num_warps, num_stages), without and with
 # PDL, by head size (bench/README.md#decode-attention-config)
 _CONFIG = (64, 4, 3)
-_PDL_CONFIG = {64: (128, 8, 1)}  # NOTE: head_dim -> config; others: _CONFIG
+_PDL_CONFIG = {64: (128, 8, 1), 128: (64, 8, 2)}  # NOTE: head_dim -> config; others: _CONFIG
 _MERGE_CHUNK = 4  # NOTE: splits merged per load (see _merge_splits)
 
 
