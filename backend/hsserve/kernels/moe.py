@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hsserve.kernels.moe_route import aligned_rows, route_slot
+from hsserve.kernels.moe_route import aligned_rows, route_slot, routed_buffers
 from hsserve.kernels.pdl import pdl_enter
 
 
@@ -213,16 +213,13 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 
 def one_token_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
-                      down: torch.Tensor, k: int, renormalize: bool, pdl: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
+                      down: torch.Tensor, k: int, renormalize: bool, pdl: bool = False,
+                      into: torch.Tensor | None = None) -> torch.Tensor:
     """fused_experts for one token routed inside gate_up's programs from its float64 router
     logits [1, E] (no routing launch): gate_up's block j is slot j's expert."""
     assert len(x) == 1 and logits.shape == (1, gate_up.shape[0]) and k <= gate_up.shape[0]
     block_m = block_rows(k)
-    dev = x.device
-    weights = torch.empty(1, k, dtype=torch.float32, device=dev)
-    experts = torch.empty(1, k, dtype=torch.int64, device=dev)
-    ids = torch.empty(k * block_m, dtype=torch.int64, device=dev)
-    block_expert = torch.empty(k, dtype=torch.int64, device=dev)
+    weights, experts, ids, block_expert = routed_buffers(1, k, k * block_m, block_m, x.device)
     h = _grouped_gemm(x.contiguous(), gate_up, ids, block_expert, k, down.shape[2], k, True,
                       weights, block_m, None, pdl, (logits, experts, k, renormalize))
     y = _grouped_gemm(h, down, ids, block_expert, k, down.shape[1], 1, False, weights, block_m,

@@ -172,7 +172,7 @@ def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
     pairs = tokens * k
     assert pairs <= MAX_PAIRS, "route_align is for decode sizes"
     rows = aligned_rows(pairs, num_experts, block_m)
-    weights, experts, ids, block_expert = _routed(tokens, k, rows, block_m, logits.device)
+    weights, experts, ids, block_expert = routed_buffers(tokens, k, rows, block_m, logits.device)
     t_pad, k_pad = _pads(tokens, k)
     _route_align_kernel[(1,)](
         logits.contiguous(), weights, experts, ids, block_expert, tokens, num_experts, rows,
@@ -183,7 +183,7 @@ def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
     return weights, experts, ids, block_expert
 
 
-def _routed(tokens: int, k: int, rows: int, block_m: int, dev: torch.device):
+def routed_buffers(tokens: int, k: int, rows: int, block_m: int, dev: torch.device):
     """Room for the routing: (weights, experts, pair ids, each block's expert)."""
     return (torch.empty(tokens, k, dtype=torch.float32, device=dev),
             torch.empty(tokens, k, dtype=torch.int64, device=dev),
@@ -196,9 +196,17 @@ def decode_route(x: torch.Tensor, w: torch.Tensor, k: int, renormalize: bool, bl
     """A decode step's routing of the rows x [T, H] -> (the rows the experts read, route_align's
     four tensors): router_logits, then route_align. norm_eps: x is the residual stream, RMS-normed
     by the router (the norm's weight is in w and the experts')."""
+    rows, logits = normed_logits(x, w, pdl, norm_eps)
+    return rows, route_align(logits, k, renormalize, block_m, pdl=pdl)
+
+
+def normed_logits(x: torch.Tensor, w: torch.Tensor, pdl: bool = False,
+                  norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the rows the experts read, router_logits'): with norm_eps x is the residual stream,
+    RMS-normed by the router kernel into the rows it returns; else x itself."""
     normed = torch.empty_like(x) if norm_eps is not None else None
     logits = router_logits(x, w, pdl, norm_eps=norm_eps, normed=normed)
-    return (x if normed is None else normed), route_align(logits, k, renormalize, block_m, pdl=pdl)
+    return (x if normed is None else normed), logits
 
 
 @triton.jit

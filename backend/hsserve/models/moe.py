@@ -26,7 +26,7 @@ from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts, one_token_experts
 from hsserve.kernels.elementwise import add_rmsnorm
-from hsserve.kernels.moe_route import MAX_PAIRS, decode_route, router_logits
+from hsserve.kernels.moe_route import MAX_PAIRS, decode_route, normed_logits
 from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
 
@@ -97,11 +97,10 @@ class MoE(nn.Module):
         if self._ones is None:
             self.prepare()
         if x.is_cuda and len(x) == 1:  # NOTE: router, then gate_up routing as it goes
-            normed = torch.empty_like(x) if folded_eps is not None else None
             pdl = pdl_on(x)
-            logits = router_logits(x, self.router, pdl, norm_eps=folded_eps, normed=normed)
-            out = one_token_experts(x if normed is None else normed, logits, self.gate_up,
-                                    self.down, self.top_k, self.renormalize, pdl, into)
+            rows, logits = normed_logits(x, self.router, pdl, folded_eps)
+            out = one_token_experts(rows, logits, self.gate_up, self.down, self.top_k,
+                                    self.renormalize, pdl, into)
         elif self.routes_in_kernel(x):  # NOTE: decode: router, routing, experts, sum chained
             pdl = pdl_on(x)
             rows, routed = decode_route(x, self.router, self.top_k, self.renormalize,
