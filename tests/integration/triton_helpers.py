@@ -99,8 +99,9 @@ class GrpcStream:
                                        outputs=asked, request_id=request_id,
                                        enable_empty_final_response=True, parameters=parameters)
 
-    def read(self, timeout: float = 300.0) -> Streamed:
-        """Responses of one request (the stream carries one request at a time here)."""
+    def read(self, timeout: float = 300.0, first_only: bool = False) -> Streamed:
+        """Responses of one request (the stream carries one request at a time here); first_only:
+        return after the first response that carries data."""
         out = Streamed()
         while True:
             result, error = self.queue.get(timeout=timeout)
@@ -111,6 +112,8 @@ class GrpcStream:
             data = {n: result.as_numpy(n) for n in OUTPUT_NAMES + CLASSIFIER_OUTPUTS}
             if any(v is not None for v in data.values()):
                 out.responses.append(data)
+                if first_only:
+                    return out
             if response.parameters["triton_final_response"].bool_param:
                 return out
 
