@@ -1,6 +1,6 @@
-"""A/B of module flags in a real batch-1 decode graph: one engine, its graph recaptured with each
-variant's flags set, replays timed by CUDA events (best of 2 x 100, variants interleaved
-`--rounds` times). Random weights.
+"""A/B of module flags in a real decode graph (batch 1, or `--batch`): one engine, its graph
+recaptured with each variant's flags set, replays timed by CUDA events (best of 2 x 100, variants
+interleaved `--rounds` times). Random weights.
 
     python bench/graph_flags_ab.py --variant pdl hsserve.kernels.pdl:_MAX_ROWS=1 \\
         --variant no_pdl hsserve.kernels.pdl:_MAX_ROWS=0 [--shape qwen3-30b-a3b] [--rounds 3]
@@ -46,8 +46,8 @@ def pin_input(graphs, token: int = 1) -> None:
     graphs.sources[0] = graphs.buf.shape[1]  # NOTE: buf's row 1 (the ids), column 0
 
 
-def replay_us(engine, flags):
-    """(us a replay, row 0's logits) with the flags set."""
+def replay_us(engine, flags, batch: int = 1):
+    """(us a replay of the batch's graph, row 0's logits) with the flags set."""
     old = [(m, a, getattr(m, a)) for m, a, _ in flags]
     for m, a, v in flags:
         setattr(m, a, type(getattr(m, a))(v) if isinstance(v, int) else v)
@@ -55,7 +55,7 @@ def replay_us(engine, flags):
         graphs = engine.executor.graphs
         graphs.capture()
         pin_input(graphs)
-        us = 1000 * min(event_ms(graphs.graphs[(1, False)].replay, 100) for _ in range(2))
+        us = 1000 * min(event_ms(graphs.graphs[(batch, False)].replay, 100) for _ in range(2))
         return us, graphs.logits[0].clone()
     finally:
         for m, a, v in old:
@@ -68,18 +68,20 @@ def main() -> None:
     ap.add_argument("--variant", nargs="+", action="append", required=True,
                     help="NAME module:ATTR=LITERAL ...")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="the graph replayed (its rows those of "
+                    "a warm-up run at this batch; row 0's token fixed)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     variants = {v[0]: _flags(v[1:]) for v in args.variant}
-    engine = make_engine(random_model(args.shape), 1)
+    engine = make_engine(random_model(args.shape), args.batch)
     rows: dict[str, float] = {}
     agree: dict[str, dict] = {}
     first = None
     try:
-        engine_run(engine, 1, tag="warm")
+        engine_run(engine, args.batch, tag="warm")
         for _ in range(args.rounds):
             for name, flags in variants.items():
-                us, logits = replay_us(engine, flags)
+                us, logits = replay_us(engine, flags, args.batch)
                 first = logits if first is None else first
                 same = {"cosine": round(float(torch.cosine_similarity(logits, first, 0)), 6),
                         "same_argmax": bool(logits.argmax() == first.argmax())}
@@ -90,7 +92,7 @@ def main() -> None:
         engine.shutdown()
     write_result(args.out or os.path.join(os.path.dirname(__file__), "results",
                                           f"h200_graph_flags_{args.shape}.json"),
-                 {"benchmark": "graph_flags_ab", "shape": args.shape, "batch": 1,
+                 {"benchmark": "graph_flags_ab", "shape": args.shape, "batch": args.batch,
                   "variants": {v[0]: v[1:] for v in args.variant}, "replay_us": rows,
                   "logits_vs_first_variant": agree})
 
