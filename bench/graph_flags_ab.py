@@ -46,22 +46,6 @@ def pin_input(graphs, token: int = 1) -> None:
     graphs.sources[0] = graphs.buf.shape[1]  # NOTE: buf's row 1 (the ids), column 0
 
 
-@torch.inference_mode()
-def capture_one(graphs, size: int) -> None:
-    """Recapture only the size's graph without rows (DecodeGraphs.capture takes every size of the
-    ladder, twice: minutes for a large model at batch 64)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graphs._forward(size, False)  # NOTE: warm-up: compiles the variant's kernels
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
-            graphs._forward(size, False)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graphs.graphs[(size, False)] = graph
-
-
 def replay_us(engine, flags, batch: int = 1):
     """(us a replay of the batch's graph, row 0's logits) with the flags set."""
     old = [(m, a, getattr(m, a)) for m, a, _ in flags]
@@ -69,7 +53,7 @@ def replay_us(engine, flags, batch: int = 1):
         setattr(m, a, type(getattr(m, a))(v) if isinstance(v, int) else v)
     try:
         graphs = engine.executor.graphs
-        capture_one(graphs, batch)
+        graphs.capture([batch], rows=False)  # NOTE: the whole ladder twice takes minutes
         pin_input(graphs)
         us = 1000 * min(event_ms(graphs.graphs[(batch, False)].replay, 100) for _ in range(2))
         return us, graphs.logits[0].clone()

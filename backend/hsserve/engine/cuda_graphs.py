@@ -149,14 +149,15 @@ class DecodeGraphs:
                     lse=(self.lse[:size], self.host_logprobs))
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every (size, with_rows) graph; called once, before serving."""
+    def capture(self, sizes: list[int] | None = None, rows: bool = True) -> None:
+        """Capture every (size, with_rows) graph; called once, before serving. sizes / rows=False:
+        only those sizes' graphs without rows (a benchmark recapturing one graph)."""
         pool = torch.cuda.graph_pool_handle()
-        variants = [False, True] if self.layers else [False]
+        variants = [False, True] if self.layers and rows else [False]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):  # NOTE: largest first, so the pool fits the rest
+            for size in reversed(sizes or self.sizes):  # NOTE: largest first: the rest fit its pool
                 for with_rows in variants:
                     self._forward(size, with_rows)  # warm-up: compiles kernels, writes nothing
                     graph = torch.cuda.CUDAGraph()
