@@ -30,15 +30,15 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from hsserve.kernels.moe import (SUM_CONFIG, GemmConfig, _grouped_gemm,  # noqa: E402
                                  align_pairs, block_rows, gemm_config, sum_pairs)
-from hsserve.kernels.moe_route import (MAX_PAIRS, ROUTE_WARPS, ROUTER_EXPERTS,  # noqa: E402
-                                       route_align, router_logits)
+from hsserve.kernels.moe_route import (ROUTE_WARPS, ROUTER_EXPERTS,  # noqa: E402
+                                       route_align, router_logits, routes_in_kernel)
 from hsserve.kernels.pdl import pdl_on  # noqa: E402
 from hsserve.models.moe import MoE  # noqa: E402
 from hsserve.models.spec import ModelSpec  # noqa: E402
 
 TB = 4.25e12  # NOTE: the H200's measured copy bandwidth, bytes/s
 DEVICE = "cuda"
-ROUTE_CONFIGS = [2, 4, 8]  # NOTE: route_align's num_warps
+ROUTE_CONFIGS = [2, 4, 8, 16]  # NOTE: route_align's num_warps
 SUM_CONFIGS = [(128, 1), (256, 1), (256, 2)]
 ROUTER_CONFIGS = [1, 2, 4, 8]  # NOTE: router_logits' rows a program
 # NOTE: batch 1's wider GEMM set: (block_n, block_k, warps, stages), narrow tiles for more programs
@@ -133,18 +133,19 @@ def close64(got, want, cfg):
 
 
 def route_torch(logits: torch.Tensor, k: int, num_experts: int, block_m: int):
-    """MoE.route after the logits, then align_pairs: the path above MAX_PAIRS."""
+    """MoE.route after the logits, then align_pairs: the path above routes_in_kernel's sizes."""
     weights, experts = torch.topk(torch.softmax(logits, dim=-1).float(), k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return (weights, experts, *align_pairs(experts, num_experts, block_m))
 
 
 def bench_routing(moes, xs, batch, rows, best, defaults):
-    """The router's logits, then route_align (or the torch routing above MAX_PAIRS) -> each
-    layer's (weights, experts, pair ids, block experts)."""
+    """The router's logits, then route_align (beside the torch routing, "torch"; above
+    routes_in_kernel's sizes that alone) -> each layer's (weights, experts, pair ids, block
+    experts)."""
     calls, k, (e, hidden) = len(moes), moes[0].top_k, moes[0].router.shape
     block_m, pdl = block_rows(batch * k), pdl_on(xs[0])
-    if batch * k <= MAX_PAIRS:
+    if routes_in_kernel(batch, k, e):
         def router(i, cfg):
             if cfg == "torch":
                 return moes[i].logits(xs[i])
@@ -156,10 +157,12 @@ def bench_routing(moes, xs, batch, rows, best, defaults):
         lg = [router(i, None) for i in range(calls)]
 
         def route(i, warps):
+            if warps == "torch":
+                return route_torch(lg[i], k, e, block_m)
             return route_align(lg[i], k, True, block_m, warps, pdl)
 
         defaults["route_align"] = ROUTE_WARPS
-        best["route_align"] = sweep(rows, batch, "route_align", ROUTE_CONFIGS, route,
+        best["route_align"] = sweep(rows, batch, "route_align", ROUTE_CONFIGS + ["torch"], route,
                                     same_routing, 0, calls)
     else:
         best["router"] = sweep(rows, batch, "router", [None], lambda i, _c: moes[i].logits(xs[i]),

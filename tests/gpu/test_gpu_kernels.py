@@ -172,20 +172,23 @@ def test_moe_router_logits_matches_float64(dtype, tokens, experts, hidden):
 @pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (16, 128, 8, True),
                                                              (7, 8, 2, False), (5, 6, 3, True),
                                                              (1, 8, 2, False), (1, 60, 4, True),
-                                                             (4, 128, 8, False)])
+                                                             (4, 128, 8, False), (64, 128, 8, True),
+                                                             (37, 60, 4, False), (256, 8, 2, True)])
 def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
-    for warps in (None, 1, 2, 8):
+    for warps in (None, 1, 2, 8, 16):
         check_route_align("cuda", tokens, experts, k, renormalize, num_warps=warps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, experts, hidden, k, renormalize", [
-    (2, 128, 2048, 8, False), (2, 8, 4096, 2, True), (3, 60, 200, 4, True), (5, 128, 2048, 8, True)])
+    (2, 128, 2048, 8, False), (2, 8, 4096, 2, True), (3, 60, 200, 4, True), (5, 128, 2048, 8, True),
+    (64, 128, 2048, 8, True), (48, 8, 4096, 2, False)])
 def test_moe_decode_route_matches_router_then_route_align(dtype, tokens, experts, hidden, k,
                                                           renormalize):
-    # Qwen3-30B-A3B, Mixtral, odd sizes at a few tokens (one token: one_token_experts')
+    # Qwen3-30B-A3B, Mixtral, odd sizes at a few tokens up to a decode graph's 64 (one token:
+    # one_token_experts')
     from kernel_cases import check_decode_route
 
     check_decode_route("cuda", dtype, tokens, experts, hidden, k, renormalize)

@@ -147,14 +147,17 @@ def test_moe_router_logits_matches_float64(tokens, experts, hidden, block_e):
 @pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 8, True), (3, 8, 2, False),
                                                              (16, 128, 8, True), (5, 6, 3, True),
                                                              (1, 8, 2, True), (2, 5, 5, False),
-                                                             (1, 5, 5, False), (1, 6, 3, False)])
+                                                             (1, 5, 5, False), (1, 6, 3, False),
+                                                             (64, 128, 8, False), (37, 60, 4, True),
+                                                             (256, 8, 2, True)])
 def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
     check_route_align("cpu", tokens, experts, k, renormalize)
 
 
-@pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 16, 4, True), (3, 8, 2, True)])
+@pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 16, 4, True), (3, 8, 2, True),
+                                                             (64, 128, 8, True)])
 def test_moe_decode_route_matches_router_then_route_align(tokens, experts, k, renormalize):
     from kernel_cases import check_decode_route
 

@@ -7,8 +7,8 @@ At decode sizes the routing's softmax / top-k / renormalization and align_pairs'
 ops cost more in launches than the experts' weights take to read
 (bench/README.md#mixture-of-experts-h200). route_align takes the logits [T, E] and writes each
 token's k experts and float32 weights, the pair ids grouped by expert (padding id T * k) and each
-block's expert: T * k pairs at most MAX_PAIRS. route_slot routes one token in every program of
-gate_up's launch (kernels/moe.py one_token_experts): no routing launch and no wait on one. Both
+block's expert, for up to a decode graph's tokens (routes_in_kernel). route_slot routes one
+token in every program of gate_up's launch (kernels/moe.py one_token_experts): no routing launch and no wait on one. Both
 choose by the same keys (_keys), so a tie goes the same way in both.
 """
 
@@ -20,11 +20,19 @@ import triton.language as tl
 
 from hsserve.kernels.pdl import pdl_enter
 
-MAX_PAIRS = 128  # NOTE: the pairwise rank below is [pairs, pairs] in registers
-ROUTE_WARPS = 4  # NOTE: the fastest at decode sizes (bench/moe_kernels.py): 1 or 2 are slower
+# NOTE: route_align holds a step's logits [tokens, experts] in one program: 64 tokens of
+# Qwen3-30B-A3B (128 experts, k = 8), the largest decode graph's
+MAX_PAIRS = 512
+MAX_LOGITS = 8192
+ROUTE_WARPS = 4  # NOTE: the fastest up to 16 tokens (bench/moe_kernels.py): 1 or 2 are slower
 # NOTE: router rows a program (bench/README.md#mixture-of-experts-h200); it shapes the float64
 # sums: the same for every batch, so fixed, not chosen by size
 ROUTER_EXPERTS = 4
+
+
+def routes_in_kernel(tokens: int, k: int, num_experts: int) -> bool:
+    """Whether route_align takes this many tokens (MAX_PAIRS, MAX_LOGITS: read at each call)."""
+    return tokens * k <= MAX_PAIRS and tokens * num_experts <= MAX_LOGITS
 
 
 def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
@@ -137,24 +145,28 @@ def _align(IDS, BLOCK_EXPERT, chosen, pair, pairs, num_experts, rows, num_blocks
            E_PAD: tl.constexpr, P_PAD: tl.constexpr, R_PAD: tl.constexpr,
            B_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """align_pairs over the pairs in (token, slot) order: chosen -1 for padding."""
-    e = tl.arange(0, E_PAD)
     p = tl.arange(0, P_PAD)
     valid = chosen >= 0
-    hot = (chosen[:, None] == e[None, :]).to(tl.int32)
-    counts = tl.sum(hot, 0)
+    counts = tl.histogram(tl.where(valid, chosen, 0), E_PAD, mask=valid)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    same = (chosen[None, :] == chosen[:, None]) & (p[None, :] < p[:, None])
-    rank = tl.sum(same.to(tl.int32), 1)  # NOTE: among its expert's pairs, in pair order
-    dest = tl.sum(hot * starts[None, :], 1) + rank
+    # NOTE: sorted by (expert, pair id), padding last: an expert's pairs together in pair order,
+    # the i-th of them going to its group's start + i
+    key = tl.sort(tl.where(valid, chosen * P_PAD + pair, E_PAD * P_PAD + p))
+    expert = key // P_PAD
+    placed = expert < E_PAD
+    shift = ends - padded - (tl.cumsum(counts, 0) - counts)  # NOTE: group start - first place
+    dest = p + tl.gather(shift, tl.where(placed, expert, 0), 0)
     r = tl.arange(0, R_PAD)
     tl.store(IDS + r, tl.zeros((R_PAD,), dtype=tl.int64) + pairs, mask=r < rows)
     tl.debug_barrier()  # NOTE: the padding ids first, then the pairs over them
-    tl.store(IDS + dest, pair.to(tl.int64), mask=valid)
+    tl.store(IDS + dest, (key % P_PAD).to(tl.int64), mask=placed)
+    # NOTE: block b's expert = the experts whose group ends at or before it (empty ones too)
+    last = ends // BLOCK_M
+    counted = (tl.arange(0, E_PAD) < num_experts) & (last < B_PAD)
+    before = tl.cumsum(tl.histogram(tl.where(counted, last, 0), B_PAD, mask=counted), 0)
     b = tl.arange(0, B_PAD)
-    before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < num_experts)
-    tl.store(BLOCK_EXPERT + b, tl.sum(before.to(tl.int64), 1), mask=b < num_blocks)
+    tl.store(BLOCK_EXPERT + b, before.to(tl.int64), mask=b < num_blocks)
 
 
 def _pads(tokens: int, k: int) -> tuple[int, int]:
@@ -170,16 +182,19 @@ def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
     for ROUTE_WARPS."""
     tokens, num_experts = logits.shape
     pairs = tokens * k
-    assert pairs <= MAX_PAIRS, "route_align is for decode sizes"
+    assert routes_in_kernel(tokens, k, num_experts), "route_align is for decode sizes"
     rows = aligned_rows(pairs, num_experts, block_m)
     weights, experts, ids, block_expert = routed_buffers(tokens, k, rows, block_m, logits.device)
     t_pad, k_pad = _pads(tokens, k)
+    e_pad = triton.next_power_of_2(num_experts)
+    # NOTE: ~16 logits a thread at most (ROUTE_WARPS up to 16 tokens of 128 experts)
+    warps = num_warps or max(ROUTE_WARPS, min(16, t_pad * e_pad // 512))
     _route_align_kernel[(1,)](
         logits.contiguous(), weights, experts, ids, block_expert, tokens, num_experts, rows,
-        rows // block_m, K=k, RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts),
+        rows // block_m, K=k, RENORM=renormalize, E_PAD=e_pad,
         T_PAD=t_pad, K_PAD=k_pad, R_PAD=triton.next_power_of_2(rows),
         B_PAD=max(16, triton.next_power_of_2(rows // block_m)), BLOCK_M=block_m, PDL=pdl,
-        num_warps=num_warps or ROUTE_WARPS, launch_pdl=pdl)
+        num_warps=warps, launch_pdl=pdl)
     return weights, experts, ids, block_expert
 
 

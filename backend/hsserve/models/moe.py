@@ -26,7 +26,7 @@ from torch import nn
 
 from hsserve.kernels.moe import block_rows, experts_ref, fused_experts, one_token_experts
 from hsserve.kernels.elementwise import add_rmsnorm
-from hsserve.kernels.moe_route import MAX_PAIRS, decode_route, normed_logits
+from hsserve.kernels.moe_route import decode_route, normed_logits, routes_in_kernel
 from hsserve.kernels.pdl import pdl_on
 from hsserve.models.spec import ModelSpec
 
@@ -81,7 +81,7 @@ class MoE(nn.Module):
 
     def routes_in_kernel(self, x: torch.Tensor) -> bool:
         """Whether x's rows are routed by the decode kernels (no float64 copy of x needed)."""
-        return x.is_cuda and len(x) * self.top_k <= MAX_PAIRS
+        return x.is_cuda and routes_in_kernel(len(x), self.top_k, self.router.shape[0])
 
     def router_input_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
         """Room for x's rows in float64, for the norm before to fill: None when the decode kernels
