@@ -177,7 +177,8 @@ def test_moe_router_logits_matches_float64(dtype, tokens, experts, hidden):
 def test_moe_route_align_matches_reference(tokens, experts, k, renormalize):
     from kernel_cases import check_route_align
 
-    for warps in (None, 1, 2, 8, 16):
+    # NOTE: 1 or 2 warps over thousands of logits only spill (and take minutes to compile)
+    for warps in (None, 1, 2, 8, 16) if tokens * experts <= 2048 else (None, 8, 16):
         check_route_align("cuda", tokens, experts, k, renormalize, num_warps=warps)
 
 

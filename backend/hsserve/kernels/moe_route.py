@@ -8,8 +8,8 @@ ops cost more in launches than the experts' weights take to read
 (bench/README.md#mixture-of-experts-h200). route_align takes the logits [T, E] and writes each
 token's k experts and float32 weights, the pair ids grouped by expert (padding id T * k) and each
 block's expert, for up to a decode graph's tokens (routes_in_kernel). route_slot routes one
-token in every program of gate_up's launch (kernels/moe.py one_token_experts): no routing launch and no wait on one. Both
-choose by the same keys (_keys), so a tie goes the same way in both.
+token in every program of gate_up's launch (kernels/moe.py one_token_experts): no routing
+launch and no wait on one. Both choose by the same keys (_keys), so a tie goes the same way.
 """
 
 from __future__ import annotations
