@@ -116,6 +116,8 @@ class GemmConfig(NamedTuple):
 
 DECODE_PAIRS = 128  # NOTE: up to here the decode configs (a few rows per expert block)
 ONE_TOKEN_PAIRS = 16  # NOTE: up to here batch 1's (one block per chosen expert)
+ONE_TOKEN_GATE_UP = (32, 128, 2, 4)  # NOTE: GemmConfig fields; read at launch (graph_flags_ab)
+ONE_TOKEN_DOWN = (64, 128, 4, 5)
 
 
 def gemm_config(pairs: int, silu_mul: bool) -> GemmConfig:
@@ -125,7 +127,7 @@ def gemm_config(pairs: int, silu_mul: bool) -> GemmConfig:
     columns by 128 deep, 4 warps for both; at decode sizes a block holds a row or two and reading
     the weights is the cost: one more pipeline stage keeps loads in flight."""
     if pairs <= ONE_TOKEN_PAIRS:
-        return GemmConfig(32, 128, 2, 4) if silu_mul else GemmConfig(64, 128, 4, 5)
+        return GemmConfig(*(ONE_TOKEN_GATE_UP if silu_mul else ONE_TOKEN_DOWN))
     return GemmConfig(64, 128, 4, 4 if pairs <= DECODE_PAIRS else 3)
 
 
