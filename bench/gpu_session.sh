@@ -5,7 +5,8 @@
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
 # PART: tests triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
 # profile1 host logprobs extract8b extract_spy moe moe_kernels moe_profile ablation tp_tests tp8b tp70b
-# two_instances route64 (branch route-align-64) none. The one-off A/B scripts' parts went with them to bench/archive/.
+# two_instances route64 (batch 64 routed by torch vs route_align) none. The one-off A/B scripts'
+# parts went with them to bench/archive/.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
@@ -80,7 +81,7 @@ for part in $parts; do
              --no-hf --tensor-parallel 2 --out "$OUT/h200x2_decode_70b_tp2.json" 2>&1 | grep "^{\|Error" ;;
     profile1) timeout 100 python3 bench/gpu_profile.py --batches 1 --top 24 2>&1 | grep -v "^\[W" ;;
     route64) timeout 150 python3 -m pytest -m gpu tests/gpu/test_gpu_kernels.py -k "route or one_token" -q \
-               -p no:cacheprovider 2>&1 | tail -3  # NOTE: branch route-align-64
+               -p no:cacheprovider 2>&1 | tail -3
              R=hsserve.kernels.moe_route:MAX_PAIRS
              timeout 400 python3 bench/graph_flags_ab.py --batch "${BATCH:-64}" --rounds 3 \
                --variant torch $R=128 --variant kernel $R=512 \
