@@ -30,8 +30,8 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from hsserve.kernels.moe import (SUM_CONFIG, GemmConfig, _grouped_gemm,  # noqa: E402
                                  align_pairs, block_rows, gemm_config, sum_pairs)
-from hsserve.kernels.moe_route import (ROUTE_WARPS, ROUTER_EXPERTS,  # noqa: E402
-                                       route_align, router_logits, routes_in_kernel)
+from hsserve.kernels.moe_route import (ROUTER_EXPERTS, route_align,  # noqa: E402
+                                       route_warps, router_logits, routes_in_kernel)
 from hsserve.kernels.pdl import pdl_on  # noqa: E402
 from hsserve.models.moe import MoE  # noqa: E402
 from hsserve.models.spec import ModelSpec  # noqa: E402
@@ -161,7 +161,7 @@ def bench_routing(moes, xs, batch, rows, best, defaults):
                 return route_torch(lg[i], k, e, block_m)
             return route_align(lg[i], k, True, block_m, warps, pdl)
 
-        defaults["route_align"] = ROUTE_WARPS
+        defaults["route_align"] = route_warps(batch, k, e)
         best["route_align"] = sweep(rows, batch, "route_align", ROUTE_CONFIGS + ["torch"], route,
                                     same_routing, 0, calls)
     else:

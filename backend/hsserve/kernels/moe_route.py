@@ -175,26 +175,30 @@ def _pads(tokens: int, k: int) -> tuple[int, int]:
     return max(triton.next_power_of_2(tokens), triton.cdiv(16, k_pad)), k_pad
 
 
+def route_warps(tokens: int, k: int, num_experts: int) -> int:
+    """route_align's warps: ROUTE_WARPS, more for a larger step (~16 logits a thread at most;
+    ROUTE_WARPS up to 16 tokens of 128 experts, 16 at 64)."""
+    t_pad = _pads(tokens, k)[0]
+    return max(ROUTE_WARPS, min(16, t_pad * triton.next_power_of_2(num_experts) // 512))
+
+
 def route_align(logits: torch.Tensor, k: int, renormalize: bool, block_m: int,
                 num_warps: int | None = None, pdl: bool = False):
     """float64 router logits [T, E] -> (weights [T, k] float32, experts [T, k], pair ids grouped
     by expert, each block's expert): MoE.route and align_pairs in one launch. num_warps: None
-    for ROUTE_WARPS."""
+    for route_warps'."""
     tokens, num_experts = logits.shape
     pairs = tokens * k
     assert routes_in_kernel(tokens, k, num_experts), "route_align is for decode sizes"
     rows = aligned_rows(pairs, num_experts, block_m)
     weights, experts, ids, block_expert = routed_buffers(tokens, k, rows, block_m, logits.device)
     t_pad, k_pad = _pads(tokens, k)
-    e_pad = triton.next_power_of_2(num_experts)
-    # NOTE: ~16 logits a thread at most (ROUTE_WARPS up to 16 tokens of 128 experts)
-    warps = num_warps or max(ROUTE_WARPS, min(16, t_pad * e_pad // 512))
     _route_align_kernel[(1,)](
         logits.contiguous(), weights, experts, ids, block_expert, tokens, num_experts, rows,
-        rows // block_m, K=k, RENORM=renormalize, E_PAD=e_pad,
+        rows // block_m, K=k, RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts),
         T_PAD=t_pad, K_PAD=k_pad, R_PAD=triton.next_power_of_2(rows),
         B_PAD=max(16, triton.next_power_of_2(rows // block_m)), BLOCK_M=block_m, PDL=pdl,
-        num_warps=warps, launch_pdl=pdl)
+        num_warps=num_warps or route_warps(tokens, k, num_experts), launch_pdl=pdl)
     return weights, experts, ids, block_expert
 
 
