@@ -6,7 +6,7 @@
 # PART: tests triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
 # profile1 host logprobs extract8b extract_spy moe moe_kernels moe_profile ablation tp_tests tp8b tp70b
 # two_instances route64 (batch 64 routed by torch vs route_align) none. The one-off A/B scripts'
-# parts went with them to bench/archive/.
+# parts went with them (bench/archive/, last at e9f3215).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/backend:$PWD/tests:$PWD/bench
