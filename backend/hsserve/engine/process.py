@@ -22,9 +22,10 @@ from typing import Callable
 from hsserve.engine.admission import Admission, RequestIds, not_serving
 from hsserve.engine.client import Sink
 from hsserve.engine.config import EngineConfig
-from hsserve.engine.messages import (Abort, Add, ClearCache, Deltas, Died, EngineInfo, FailAll,
-                                     Failed, SnapshotTaken, Stop, Stopped, TakeSnapshot,
-                                     delta_from_wire, error_delta)
+from hsserve.engine.engine_info import EngineInfo
+from hsserve.engine.messages import (Abort, Add, ClearCache, Deltas, Died, FailAll, Failed,
+                                     SnapshotTaken, Stop, Stopped, TakeSnapshot, delta_from_wire,
+                                     error_delta)
 from hsserve.engine.process_child import child_main
 from hsserve.engine.request_stream import RequestStream
 from hsserve.engine.wire import post, receive
