@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from hsserve.engine.executor import Executor
-from hsserve.engine.hidden_rows import HiddenRows, StepRows
+from hsserve.engine.hidden_rows import HiddenRows
 from hsserve.engine.sequence import Sequence
+from hsserve.engine.step_rows import StepRows
 from hsserve.engine.types import Chunk
 from hsserve.request import FinishReason, HiddenStatesMode, SamplingParams
 
