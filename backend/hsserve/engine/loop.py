@@ -23,9 +23,8 @@ from hsserve.engine.admission import Admission, AdmittedRequest, RequestIds, mak
 from hsserve.engine.admission import not_serving
 from hsserve.engine.client import Sink
 from hsserve.engine.config import EngineConfig
-from hsserve.engine.engine_info import EngineInfo
 from hsserve.engine.hidden_rows import wants_final_row
-from hsserve.engine.messages import Abort, ClearCache, Enqueued, FailAll, Stop
+from hsserve.engine.messages import Abort, ClearCache, EngineInfo, Enqueued, FailAll, Stop
 from hsserve.engine.outputs import Outputs
 from hsserve.engine.request_stream import RequestStream
 from hsserve.engine.sequence import Sequence, Status
