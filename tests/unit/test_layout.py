@@ -1,6 +1,10 @@
-"""The package's shape holds: the import arrows of the architecture (adapter -> engine -> scheduler
--> executor -> model, never back) and files and functions a reader can take in (STYLE.md: files
-under ~350 lines, functions under ~60). No import cycles: test_import_graph.py."""
+"""The package's shape: the architecture's import arrows hold and files and functions stay small.
+
+The import arrows of the architecture (adapter -> engine -> scheduler -> executor -> model, never
+back); files and functions a reader can take in (STYLE.md: files under ~350 lines, functions
+under ~60); every bench/README.md anchor cited in the code is a heading there. No import
+cycles: test_import_graph.py.
+"""
 
 from __future__ import annotations
 
