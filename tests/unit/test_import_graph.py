@@ -1,4 +1,4 @@
-"""backend/hsserve's import graph, read with ast (nothing imported), has no cycle.
+"""The house read with ast: backend/hsserve imports in no cycle; each tests/ file's line 1 says why.
 
 Every import counts: module level, inside functions (lazy), and under `if TYPE_CHECKING:`, so the
 house is one-way for a reader too, not only at run time. `from hsserve.x import y` is an arrow to
@@ -6,6 +6,9 @@ hsserve.x.y when y is a submodule, else to hsserve.x; relative imports are resol
 does not point at the packages above it: Python runs their __init__ first whoever imports it, and
 hsserve/__init__ re-exports the engine (counting those arrows, every module it names would sit
 on a cycle).
+
+Every .py under tests/ opens with a module docstring on line 1 whose first line is a summary of
+its own (what the file proves, or for a helper what it provides), the rest after a blank line.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 BACKEND = Path(__file__).resolve().parents[2] / "backend"
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def module_name(rel: str) -> tuple[str, bool]:
@@ -128,3 +132,33 @@ def test_a_submodule_points_at_its_package_only_by_importing_it():
     assert cycles(import_graph(sources)) == []
     sources["hsserve/k/m.py"] = "from hsserve.k import attend\n"
     assert cycles(import_graph(sources)) == [["hsserve.k", "hsserve.k.m", "hsserve.k"]]
+
+
+def summary_problem(text: str) -> str | None:
+    """Why a file's source does not open with a one-line summary docstring, or None."""
+    body = ast.parse(text).body
+    first = body[0] if body else None
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str) and first.lineno == 1
+            and text.startswith('"""')):
+        return "line 1 is not a module docstring"
+    lines = first.value.value.split("\n")
+    if not lines[0].strip():
+        return "the docstring's first line is empty"
+    if len(lines) > 1 and lines[1].strip():
+        return "the summary line runs on into line 2 (end it, then a blank line)"
+    return None
+
+
+def test_every_test_file_says_on_line_1_what_it_proves():
+    problems = {str(p.relative_to(TESTS)): summary_problem(p.read_text())
+                for p in sorted(TESTS.rglob("*.py"))}
+    bad = {f: why for f, why in problems.items() if why}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("text", ["import os\n", '# comment\n"""Late."""\n',
+                                  'from __future__ import annotations\n"""Late."""\n',
+                                  '""""""\n', '"""Runs on\ninto line 2."""\n'])
+def test_a_missing_or_late_summary_is_named(text):
+    assert summary_problem(text) is not None
