@@ -1,4 +1,6 @@
-"""Async scheduling vs sync on the same requests, shared by the CPU run and the GPU run: an engine
+"""Provides the async-vs-sync check that the CPU and GPU runs share (check_async_equals_sync).
+
+Async scheduling vs sync on the same requests, shared by the CPU run and the GPU run: an engine
 with it on and one with it off must give the same tokens, text, rows and finish reasons, and
 every block must come back."""
 

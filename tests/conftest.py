@@ -1,4 +1,4 @@
-"""Shared fixtures: the default model folder, tiny random HF models, engines, transformers oracles."""
+"""Shared fixtures: the default model folder and engine, tiny random HF models, transformers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Small random configs of each family (SmolLM2's vocabulary, so text works): the tiny models
+"""Provides tiny_config: a small random config of each family, for the tests' tiny models.
+
+Small random configs of each family (SmolLM2's vocabulary, so text works): the tiny models
 the tests make with transformers."""
 
 from __future__ import annotations

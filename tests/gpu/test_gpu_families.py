@@ -1,4 +1,6 @@
-"""Issue 29 on CUDA (pytest -m gpu): every family's tiny random model (tests/conftest.py) against
+"""On CUDA (pytest -m gpu): every family's tiny random model equals transformers (Issue 29).
+
+Issue 29 on CUDA (pytest -m gpu): every family's tiny random model (tests/conftest.py) against
 transformers in float32. float32: greedy tokens equal and rows within 1e-3 of the row norm;
 bfloat16: each row of our own tokens with cosine >= 0.999 (MoE through the grouped GEMM and its
 decode graphs; Gemma 2 through the torch attention)."""

@@ -1,4 +1,6 @@
-"""Triton kernels against the torch reference on CUDA: random inputs, odd lengths, block
+"""On CUDA (pytest -m gpu): the Triton kernels match their torch references.
+
+Triton kernels against the torch reference on CUDA: random inputs, odd lengths, block
 boundaries, long contexts, the model dtypes (pytest -m gpu)."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Issue 27 on two GPUs (pytest -m gpu; skipped with fewer): NCCL ranks, their collectives inside
+"""On two GPUs (pytest -m gpu): NCCL ranks equal one GPU; a dead rank fails the engine, no hang.
+
+Issue 27 on two GPUs (pytest -m gpu; skipped with fewer): NCCL ranks, their collectives inside
 the decode graphs captured at start. float32: the tokens of one GPU and rows within 1e-4 of the
 row norm; bfloat16: the same tokens' rows with cosine >= 0.999 against one GPU's."""
 

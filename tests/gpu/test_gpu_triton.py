@@ -1,4 +1,6 @@
-"""On CUDA through the real tritonserver (pytest -m gpu; needs nvidia-pytriton or a system
+"""On CUDA (pytest -m gpu): tokens and rows served by the real tritonserver equal the engine's.
+
+On CUDA through the real tritonserver (pytest -m gpu; needs nvidia-pytriton or a system
 tritonserver, and hsserve installed for the Python that runs the stub): tokens and hidden rows
 streamed over gRPC equal the engine's own, float32, MODE full / last / none in one batch.
 

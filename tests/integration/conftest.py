@@ -1,4 +1,6 @@
-"""A real tritonserver on free ports, serving a copy of the repository's model_repository plus
+"""Provides the triton_server fixture: a real tritonserver on free ports, with llm_capped.
+
+A real tritonserver on free ports, serving a copy of the repository's model_repository plus
 `llm_capped` (the same model with a lower hidden-state ceiling, a few captured layers,
 HIDDEN_STATES declared TYPE_BF16, and its engine in the stub instead of a child process)."""
 

@@ -1,4 +1,5 @@
 """A test-only engine hook: the engine loop raises after N steps, as a bug escaping it would.
+
 Injected through the adapter's `on_engine_step` by a model.py that the crash test writes."""
 
 from __future__ import annotations

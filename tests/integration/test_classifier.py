@@ -1,4 +1,6 @@
-"""Issue 6: the hidden-state classifier pipeline against the real server: the ensemble equals the
+"""The classifier pipeline on the real server equals the head on llm's MODE=last row (Issue 6).
+
+Issue 6: the hidden-state classifier pipeline against the real server: the ensemble equals the
 head applied to the llm's MODE=last row, every protocol works, the probe and its clients run."""
 
 from __future__ import annotations

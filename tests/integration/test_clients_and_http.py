@@ -1,4 +1,4 @@
-"""The client examples and the README's HTTP generate calls, against the real server."""
+"""The client examples and the README's HTTP generate calls work against the real server."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Issue 25 through the real tritonserver: vllm_backend's request shapes (string numbers,
+"""The real tritonserver serves vllm_backend's and TensorRT-LLM's request shapes (Issue 25).
+
+Issue 25 through the real tritonserver: vllm_backend's request shapes (string numbers,
 exclude_input_in_output true / false / absent, stream true / false, settings as request
 parameters, the return_* outputs), TensorRT-LLM's names, and hidden_layers without MODE."""
 

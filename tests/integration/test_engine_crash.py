@@ -1,4 +1,6 @@
-"""Issue 7: the engine loop of a real server dies (a crash hook injected by its model.py) while three
+"""A real server's engine loop dying errors its streams and unloads that model only (Issue 7).
+
+Issue 7: the engine loop of a real server dies (a crash hook injected by its model.py) while three
 streams generate. Each ends with an error at once, the model unloads itself (not ready), a new
 request is refused with Triton's message, another model keeps serving meanwhile, the model can be
 reloaded, and the server then stops cleanly."""

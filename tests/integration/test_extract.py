@@ -1,4 +1,6 @@
-"""Issue 26: `hsserve extract` over a small dataset (text, input_ids, messages, a bad line),
+"""hsserve extract, in process and through the server, writes transformers' rows and resumes.
+
+Issue 26: `hsserve extract` over a small dataset (text, input_ids, messages, a bad line),
 through the engine in process and through the real server: rows equal transformers'
 hidden_states, resume after a kill gives the same bytes, shards read by open_shards and by plain
 safetensors."""

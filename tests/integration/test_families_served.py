@@ -1,4 +1,6 @@
-"""Issue 29 through the real tritonserver: each new family (tiny random Phi-3, Mixtral, Qwen3-MoE,
+"""Each new family, served by the real tritonserver, streams transformers' tokens and rows.
+
+Issue 29 through the real tritonserver: each new family (tiny random Phi-3, Mixtral, Qwen3-MoE,
 served as llm_<family> beside llm) streams tokens and MODE=full rows equal to transformers'."""
 
 from __future__ import annotations

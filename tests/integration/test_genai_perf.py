@@ -1,4 +1,6 @@
-"""Issue 25: genai-perf (the real tool, from PyPI) can benchmark `llm`. perf_analyzer's binary is not
+"""genai-perf's requests for llm fit the model's inputs and are all served (Issue 25).
+
+Issue 25: genai-perf (the real tool, from PyPI) can benchmark `llm`. perf_analyzer's binary is not
 on the registries, so genai-perf stops after writing its inputs.json; this test checks those
 inputs with perf_analyzer's data-loader rules (every key but `model` is an input of the model,
 every non-optional input is there, values fit the config's datatypes and dims) and sends every

@@ -1,4 +1,6 @@
-"""Issue 7 against the real server: /metrics after a known workload, and overload."""
+"""The real server's /metrics count a known workload; an overload's excess is refused quickly.
+
+Issue 7. Overload: the excess is refused ("queue is full") within 2 s; the admitted complete."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Issue 28's rehearsal: two tritonserver replicas on this machine behind a real nginx (gRPC over
+"""Two replicas behind nginx: traffic passes, sticky sessions raise cache hits, a kill is survived.
+
+Issue 28's rehearsal: two tritonserver replicas on this machine behind a real nginx (gRPC over
 HTTP/2 and HTTP), as a Kubernetes Service behind the Gateway would run them.
 
 Sticky routing by `x-session-id` (consistent hashing) is measured against round robin on sessions

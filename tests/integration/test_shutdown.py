@@ -1,4 +1,6 @@
-"""Stopping the server while requests stream: a short one finishes within the drain period, the
+"""Stopping a server mid-stream drains, errors the rest, exits in time and leaves no process.
+
+Stopping the server while requests stream: a short one finishes within the drain period, the
 endless ones end with an error right after it, the server exits within its exit timeout, and no
 process is left behind."""
 

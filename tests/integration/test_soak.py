@@ -1,4 +1,6 @@
-"""Issue 7 acceptance 1: a bounded soak against the real server (bench/soak.py's run_soak):
+"""A bounded soak on the real server: every valid request served, every bad one refused, no leak.
+
+Issue 7 acceptance 1: a bounded soak against the real server (bench/soak.py's run_soak):
 ~1,000 requests, random MODEs / lengths / streaming, 20% cancelled mid-flight, 5% malformed."""
 
 from __future__ import annotations

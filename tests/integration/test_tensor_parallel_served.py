@@ -1,4 +1,6 @@
-"""Issue 27 through the real tritonserver: llm_tp2 (a tiny random Llama, tensor_parallel_size 2,
+"""A served tensor_parallel_size 2 model streams what one rank and transformers compute.
+
+Issue 27 through the real tritonserver: llm_tp2 (a tiny random Llama, tensor_parallel_size 2,
 in an engine process with a rank of its own) streams the tokens and rows of one rank in process
 and of transformers."""
 

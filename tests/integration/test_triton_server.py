@@ -1,4 +1,6 @@
-"""Issue 3 acceptance against the real tritonserver: exact outputs, concurrency, cancellation,
+"""The real tritonserver's outputs equal the in-process engine's: streams, cancels, errors.
+
+Issue 3 acceptance against the real tritonserver: exact outputs, concurrency, cancellation,
 errors. Reference: the same requests through the in-process engine, alone."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CPU's compiled kernels (kernels/cpu_ops.py) against their torch references, float32."""
+"""The CPU's compiled kernels (kernels/cpu_ops.py) match their torch references, float32."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The engine on its Triton attention kernels (split-K decode for decode-only steps, one varlen
+"""The engine on its Triton attention kernels equals it on the torch reference (interpreter).
+
+The engine on its Triton attention kernels (split-K decode for decode-only steps, one varlen
 kernel for every other step) against the same engine on the torch reference, on the CPU through
 Triton's interpreter: chunked prefill, prefix-cache hits, mixed prefill/decode steps, every MODE,
 a sliding window (Mistral) and q/k norm (Qwen3). The GPU run is tests/gpu/test_gpu_engine.py."""

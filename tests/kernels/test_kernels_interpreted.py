@@ -1,4 +1,6 @@
-"""Triton kernels against the torch reference, on the CPU through Triton's interpreter (the GPU
+"""The Triton kernels match their torch references on the CPU, through Triton's interpreter.
+
+Triton kernels against the torch reference, on the CPU through Triton's interpreter (the GPU
 run of the same checks is tests/gpu/test_gpu_kernels.py)."""
 
 from __future__ import annotations

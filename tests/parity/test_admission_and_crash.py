@@ -1,4 +1,6 @@
-"""Issue 7: a bounded queue refuses the excess with EngineUnavailable; a dead engine loop ends
+"""A full queue refuses the excess; a dead engine loop fails pending and new requests (Issue 7).
+
+Issue 7: a bounded queue refuses the excess with EngineUnavailable; a dead engine loop ends
 every pending request with an error and refuses new ones."""
 
 from __future__ import annotations

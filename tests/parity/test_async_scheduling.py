@@ -1,4 +1,6 @@
-"""Async scheduling (a decode step queued before the previous one is read) changes nothing a client
+"""Async scheduling (a step queued before the last is read) changes nothing a client sees.
+
+Async scheduling (a decode step queued before the previous one is read) changes nothing a client
 sees (async_cases). On the CPU the steps do not overlap in time, but the engine takes the same
 path: steps queued ahead, their inputs read from the device, void samples of stopped sequences,
 the last token's row taken from the step ahead, preemption after draining."""

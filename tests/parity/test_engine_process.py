@@ -1,4 +1,6 @@
-"""The engine in a child process (engine/process.py, what the Triton adapter runs by default) against
+"""The engine in a child process serves what the in-process one does, refusals and stops included.
+
+The engine in a child process (engine/process.py, what the Triton adapter runs by default) against
 the engine in this process: the same outputs for every kind of request, refusals at submit,
 aborts, every block back, a killed child ending what was in flight, a clean stop."""
 

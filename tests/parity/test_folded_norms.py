@@ -1,4 +1,6 @@
-"""The layers with their norms folded into the GEMMs (what CUDA runs, Decoder.fold_norms) against
+"""Layers with their norms folded into the GEMMs (Decoder.fold_norms) equal transformers'.
+
+The layers with their norms folded into the GEMMs (what CUDA runs, Decoder.fold_norms) against
 transformers, on the CPU through the torch references: the norm weights are made non-trivial (a
 fresh model's are all ones, which would fold to nothing)."""
 

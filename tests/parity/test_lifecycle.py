@@ -1,4 +1,6 @@
-"""Acceptance 5-6 and request semantics: aborts free every block, threads end, refusals name the input,
+"""Request lifecycle: aborts free every block, refusals name the input, stop conditions hold.
+
+Acceptance 5-6 and request semantics: aborts free every block, threads end, refusals name the input,
 stop conditions, prompt-only requests, text decoding."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Issue 25: a generated token's log-probability, rank and top-k equal transformers' (the
+"""A generated token's logprob, rank and top-k equal transformers' (Issue 25).
+
+Issue 25: a generated token's log-probability, rank and top-k equal transformers' (the
 log-softmax of its logits on the same tokens, before any sampling transform): greedy and
 sampled, n > 1, beside hidden rows, with steps queued ahead or not."""
 

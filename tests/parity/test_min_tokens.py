@@ -1,4 +1,6 @@
-"""Issue 25: min_tokens (vllm_backend's, genai-perf's; TensorRT-LLM's min_length): before it, EOS
+"""Before min_tokens, EOS and stop ids are masked and no stop string ends the sequence (Issue 25).
+
+Issue 25: min_tokens (vllm_backend's, genai-perf's; TensorRT-LLM's min_length): before it, EOS
 and the stop ids are never sampled (masked, as transformers' min_new_tokens does) and no stop
 string ends the sequence; greedy tokens equal transformers', alone and batched."""
 

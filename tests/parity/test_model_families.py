@@ -1,4 +1,6 @@
-"""Issue 29 on the CPU: mixture of experts (Mixtral, Qwen3-MoE): routing is a row's own (a tie
+"""Issue 29 on the CPU: MoE routes each row alone, caching changes nothing, bad configs refused.
+
+Issue 29 on the CPU: mixture of experts (Mixtral, Qwen3-MoE): routing is a row's own (a tie
 included, whatever else is in the batch); the prefix cache and chunked prefill change nothing (MoE,
 Gemma 2 / 3's two windows, Phi-3); configs we would compute wrongly are refused by field; Phi-3's
 long-rope frequencies and attention factor are transformers'; Gemma 3's final soft-capping shows

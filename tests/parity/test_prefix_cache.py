@@ -1,4 +1,6 @@
-"""Issue 5 acceptance 1: with the prefix cache and chunked prefill, tokens and hidden rows equal a
+"""With the prefix cache and chunked prefill, tokens and rows equal a cold run for every MODE.
+
+Issue 5 acceptance 1: with the prefix cache and chunked prefill, tokens and hidden rows equal a
 cold run (no cache, whole prompts) for every MODE: shared prefixes, a complete cache hit, a prompt
 longer than the chunk, n = 4 seeded samples."""
 

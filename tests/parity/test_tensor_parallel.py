@@ -1,7 +1,10 @@
-"""Issue 27 on the CPU (gloo, 2 ranks): tensor_parallel_size 2 gives the tokens of one rank and
+"""Tensor parallelism on the CPU (gloo, 2 ranks) equals one rank; cancels and dead ranks clean up.
+
+Issue 27 on the CPU (gloo, 2 ranks): tensor_parallel_size 2 gives the tokens of one rank and
 its hidden rows within 1e-4 of the row norm (several families, K/V heads fewer than the ranks, a
-vocabulary the ranks do not divide; SmolLM2's 3 K/V heads shared out 2 + 1), through prefix-cache hits and chunked prefill; a cancel
-frees what it held; a rank that dies fails the engine as a crash does; nothing outlives it."""
+vocabulary the ranks do not divide; SmolLM2's 3 K/V heads shared out 2 + 1), through prefix-cache
+hits and chunked prefill; a cancel frees what it held; a rank that dies fails the engine as a
+crash does; nothing outlives it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Allocator and scheduling policy with fake sequences (no model)."""
+"""Block pool and scheduler: allocation, prefix reuse, chunking and preemption keep the invariants.
+
+Allocator and scheduling policy with fake sequences (no model)."""
 
 from __future__ import annotations
 

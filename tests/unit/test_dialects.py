@@ -1,4 +1,6 @@
-"""Issue 25: other backends' request shapes parse into the same request as ours: vllm_backend's
+"""Other backends' request shapes (vllm_backend, TensorRT-LLM) parse into the same request as ours.
+
+Issue 25: other backends' request shapes parse into the same request as ours: vllm_backend's
 string numbers, exclude_input_in_output and return_* flags, TensorRT-LLM's input names."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Issue 7: request parsing under hypothesis: typed tensors of any dtype and shape, request
+"""Request parsing under hypothesis: a request or a RequestError naming an input, nothing else.
+
+Issue 7: request parsing under hypothesis: typed tensors of any dtype and shape, request
 parameters and sampling_parameters JSON of any content: the result is a request or a
 RequestError naming an input, never another exception."""
 

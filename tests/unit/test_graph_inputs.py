@@ -1,4 +1,6 @@
-"""The host side of a decode-graph step (cuda_graphs.fill_host_inputs), on plain CPU buffers."""
+"""A decode-graph step's host inputs (cuda_graphs.fill_host_inputs) are right, on CPU buffers.
+
+Rows, their sources and padding, and block tables, which are copied only when they changed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The host side of a decode step through the graphs (Executor.launch/complete on the graph path,
+"""Executor's graph path on the CPU (a stand-in replay): the right inputs, rows and tokens a step.
+
+The host side of a decode step through the graphs (Executor.launch/complete on the graph path,
 with HiddenRows planning and settling the rows as the engine loop does), on the CPU with a
 stand-in for DecodeGraphs whose replay returns known logits and rows: which inputs a replay gets
 (host ids, or the previous step's samples for chunks queued ahead), which rows and layers leave
@@ -12,8 +14,9 @@ import pytest
 import torch
 
 from hsserve.engine.executor import Executor
-from hsserve.engine.hidden_rows import HiddenRows, StepRows
+from hsserve.engine.hidden_rows import HiddenRows
 from hsserve.engine.sequence import Sequence
+from hsserve.engine.step_rows import StepRows
 from hsserve.engine.types import Chunk
 from hsserve.request import FinishReason, HiddenStatesMode, SamplingParams
 

@@ -1,4 +1,6 @@
-"""deploy/kubernetes, offline: the base and every overlay rendered (deploy/kubernetes/render.py),
+"""deploy/kubernetes offline: rendered objects validate and resolve; configure.sh's config parses.
+
+deploy/kubernetes, offline: the base and every overlay rendered (deploy/kubernetes/render.py),
 core kinds validated against Kubernetes' schemas (kubernetes-validate, strict), custom resources
 against their CRDs' schemas vendored in deploy/kubernetes/schemas (unknown fields refused), the
 references between objects resolved, the shutdown budget added up, and the pods' configure.sh

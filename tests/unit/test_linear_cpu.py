@@ -1,4 +1,6 @@
-"""CPU linears without the compiled product (its library unavailable; the compiled one is tested in
+"""CPU linears without the compiled product serve every row count; pack_for_cpu chooses as told.
+
+CPU linears without the compiled product (its library unavailable; the compiled one is tested in
 tests/kernels/test_cpu_ops.py): the oneDNN-packed weight for several rows, the dense one (MKL)
 for one row where it is kept, MKL's packed one for 17-32 rows where made, and pack_for_cpu's
 choices (by the CPU's vendor and the model's size, never by timing)."""

@@ -1,4 +1,6 @@
-"""RequestStream: the client side of one request."""
+"""RequestStream: a result asked twice is the same; one after a timeout keeps what was taken.
+
+RequestStream: the client side of one request."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The Triton adapter builds only the outputs a request asked for (all when it named none), with
-a stand-in for pb_utils that records each response's tensors."""
+"""The Triton adapter builds only the outputs a request asked for (all when it named none).
+
+With a stand-in for pb_utils that records each response's tensors; the logprob outputs and
+vllm_backend's JSON included."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Sampler noise, incremental detokenizer, stop matcher and config parsing."""
+"""Seeded sampler noise and filters, UTF-8-safe detokenizing, stop matching, config parsing.
+
+Sampler noise, incremental detokenizer, stop matcher and config parsing."""
 
 from __future__ import annotations
 

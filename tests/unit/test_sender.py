@@ -1,4 +1,6 @@
-"""The Triton adapter's ResponseSender without Triton: what it merges into one response, and what
+"""The adapter's ResponseSender: what it merges into one response; it never holds a final back.
+
+The Triton adapter's ResponseSender without Triton: what it merges into one response, and what
 it never holds back."""
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from __future__ import annotations
 import random
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from hsserve.engine.config import EngineConfig
 from hsserve.engine.detokenizer import IncrementalDetokenizer
+from hsserve.engine.engine_info import EngineInfo
 from hsserve.request import (
     EngineUnavailable,
     FinishReason,
@@ -22,9 +22,6 @@ from hsserve.request import (
 )
 from hsserve.engine.sampler import sample_seed
 from hsserve.engine.sequence import SampleGroup, Sequence
-
-if TYPE_CHECKING:
-    from hsserve.engine.messages import EngineInfo
 
 
 @dataclass(frozen=True)

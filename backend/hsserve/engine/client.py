@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from hsserve.engine.messages import EngineInfo
+from hsserve.engine.engine_info import EngineInfo
 from hsserve.engine.stats import EngineSnapshot
 from hsserve.request import Delta, GenerationRequest
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hsserve.engine.cuda_graphs import DecodeGraphs
-from hsserve.engine.hidden_rows import RowPlan, StepRows
+from hsserve.engine.step_rows import RowPlan, StepRows
 from hsserve.engine.logprobs import step_logprobs
 from hsserve.engine.ranks import Ranks
 from hsserve.engine.sampler import banned_tokens, sample

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hsserve.engine.admission import AdmittedRequest
+from hsserve.engine.engine_info import EngineInfo
 from hsserve.engine.stats import EngineSnapshot
-from hsserve.models.spec import ModelSpec
 from hsserve.request import Delta, FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
@@ -58,19 +58,6 @@ class Stop:
 
 
 # ---- events (engine process -> client) ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What a started engine found: the model and the limits derived from it."""
-
-    spec: ModelSpec
-    tokenizer: object | None
-    max_model_len: int
-    max_prompt_tokens: int
-    captured_layers: tuple[int, ...]
-    device: str
-    graph_captures: int
 
 
 @dataclass(frozen=True)

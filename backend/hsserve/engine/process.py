@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import queue
-import sys
 import threading
 from typing import Callable
 
 from hsserve.engine.admission import Admission, RequestIds, not_serving
 from hsserve.engine.client import Sink
 from hsserve.engine.config import EngineConfig
-from hsserve.engine.messages import (Abort, Add, ClearCache, Deltas, Died, EngineInfo, FailAll,
-                                     Failed, SnapshotTaken, Stop, Stopped, TakeSnapshot,
-                                     delta_from_wire, error_delta)
+from hsserve.engine.engine_info import EngineInfo
+from hsserve.engine.interpreter import python_executable
+from hsserve.engine.messages import (Abort, Add, ClearCache, Deltas, Died, FailAll, Failed,
+                                     SnapshotTaken, Stop, Stopped, TakeSnapshot, delta_from_wire,
+                                     error_delta)
 from hsserve.engine.process_child import child_main
 from hsserve.engine.request_stream import RequestStream
 from hsserve.engine.wire import post, receive
@@ -34,19 +34,6 @@ from hsserve.request import Delta, EngineUnavailable, GenerationRequest
 log = logging.getLogger(__name__)
 
 _SNAPSHOT_TIMEOUT_S = 5.0
-
-
-def python_executable() -> str:
-    """The interpreter for the child: the stub's sys.executable may be the stub binary itself."""
-    exe = sys.executable
-    if exe and os.path.basename(exe).startswith("python"):
-        return exe
-    for name in ("python3", "python"):
-        path = os.path.join(sys.exec_prefix, "bin", name)
-        if os.path.exists(path):
-            return path
-    raise RuntimeError(f"no Python interpreter for the engine process (sys.executable {exe!r}, "
-                       f"sys.exec_prefix {sys.exec_prefix!r}); set engine_process to false")
 
 
 # ---- parent side -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hsserve.engine.config import ConfigError, EngineConfig
+from hsserve.engine.interpreter import python_executable
 from hsserve.engine.types import Chunk
 from hsserve.models.tensor_parallel import TensorParallel
 
@@ -112,8 +113,6 @@ class Ranks:
     """Ranks 1..size-1 of one engine: started, told each step, watched, stopped."""
 
     def __init__(self, config: EngineConfig, device: torch.device, folder: str):
-        from hsserve.engine.process import python_executable
-
         size = config.tensor_parallel_size
         self.devices = rank_devices(device, size)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,

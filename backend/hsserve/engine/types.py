@@ -11,7 +11,7 @@ import torch
 from hsserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from hsserve.engine.hidden_rows import RowPlan, StepRows
+    from hsserve.engine.step_rows import RowPlan, StepRows
     from hsserve.engine.logprobs import StepLogprobs
 
 
