@@ -9,7 +9,12 @@ MODE costs at batch 64: MODE=last vs none, and MODE=none on a server whose ceili
 whose ceiling is none. steady_step_ms: the step in the middle of a run (output tokens 16 to 112),
 without the start, and without the end where MODE=last takes one more step for the last rows.
 
-    python bench/gpu_decode.py [--shapes llama-1b llama-8b] [--out FILE]
+    python bench/gpu_decode.py [--shapes llama-1b llama-8b] [--quantization fp8] [--prefill]
+                               [--out FILE]
+
+--quantization fp8: every linear in float8 (per-channel scales), embeddings, norms and lm_head
+bf16; the roofline counts those bytes. Each row reports kv_tokens, the cache's room. --prefill:
+also prefill throughput, PREFILL_BATCH prompts of PREFILL_LEN tokens (one output token each).
 
 Default --out: bench/results/h200_decode_<shapes>.json (h200_decode_1b.json, h200_decode_8b.json,
 h200_decode_1b_8b.json). bench/results/h200.json (the goals' summary) is assembled by hand from
@@ -37,6 +42,7 @@ from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, S
 from hsserve.models.spec import ModelSpec  # noqa: E402
 
 PROMPT, NEW = 128, 128
+PREFILL_LEN, PREFILL_BATCH = 2048, 16
 
 
 def copy_bandwidth() -> float:
@@ -100,10 +106,12 @@ def graph_replay_ms(engine: Engine, batch: int, with_rows: bool = False) -> floa
 
 
 def make_engine(folder: str, batch: int, ceiling=HiddenStatesMode.FULL,
-                async_scheduling: str = "auto", tp: int = 1) -> Engine:
+                async_scheduling: str = "auto", tp: int = 1, quantization: str = "none",
+                max_model_len: int = PROMPT + NEW + 16) -> Engine:
     return Engine(EngineConfig(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
                                async_scheduling=async_scheduling, tensor_parallel_size=tp,
-                               max_num_seqs=max(batch, 1), max_model_len=PROMPT + NEW + 16,
+                               quantization=quantization,
+                               max_num_seqs=max(batch, 1), max_model_len=max_model_len,
                                hidden_states_ceiling=ceiling,
                                hidden_layers_captured=(-1,) if ceiling else None,
                                max_num_batched_tokens=max(2048, batch * PROMPT))).start()
@@ -131,17 +139,44 @@ def logprobs_ab(engine: Engine, batch: int, repeats: int, k: int) -> dict:
             "logprobs_overhead": round(min(asked) / min(plain) - 1, 4)}
 
 
-def weight_bytes(spec, batch: int = 1) -> int:
+def prefill_tok_s(folder: str, quantization: str, repeats: int) -> float:
+    """Prompt tokens a second: PREFILL_BATCH prompts of PREFILL_LEN tokens, one output token
+    each, submitted at once (the best of `repeats` rounds, each with prompts of its own)."""
+    engine = make_engine(folder, PREFILL_BATCH, ceiling=HiddenStatesMode.NONE,
+                         quantization=quantization, max_model_len=PREFILL_LEN + 16)
+    try:
+        best = 0.0
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for r in range(repeats + 1):  # NOTE: round 0 warms up (Triton's autotune, allocator)
+            g = torch.Generator().manual_seed(77 + r)
+            prompts = torch.randint(10, engine.spec.vocab_size - 10, (PREFILL_BATCH, PREFILL_LEN),
+                                    generator=g).tolist()
+            t0 = time.perf_counter()
+            streams = [engine.submit(GenerationRequest(f"p{r}-{i}", prompt_ids=p, sampling=sp))
+                       for i, p in enumerate(prompts)]
+            for st in streams:
+                st.result(timeout=600)
+            if r:
+                best = max(best, PREFILL_BATCH * PREFILL_LEN / (time.perf_counter() - t0))
+        return best
+    finally:
+        engine.shutdown()
+
+
+def weight_bytes(spec, batch: int = 1, linear_bytes: int = 2) -> int:
     """Bytes of weights a decode step reads: a mixture-of-experts layer's router and the experts
-    its `batch` tokens are expected to pick (uniform routing: random weights)."""
+    its `batch` tokens are expected to pick (uniform routing: random weights); linear_bytes: a
+    linear's element (1: float8; embeddings, norms and lm_head stay bf16)."""
     h, i, L, v = spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.vocab_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     mlp = 3 * h * i
     if spec.num_experts:
         e, k, mi = spec.num_experts, spec.experts_per_token, spec.moe_intermediate_size
         mlp = e * h + e * (1 - (1 - k / e) ** batch) * 3 * h * mi
-    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
-    return int(2 * (L * per_layer + v * h + h))  # NOTE: the lm_head (tied or not) is read in full
+    linears = h * (q + 2 * kv) + q * h + mlp
+    # NOTE: the lm_head (tied or not) is read in full; float8 weights' scales: 4 bytes a row
+    scales = (q + 2 * kv + h + 2 * i + h) * 4 if linear_bytes == 1 else 0
+    return int(L * (linear_bytes * linears + 2 * 2 * h + scales) + 2 * (v * h + h))
 
 
 def kv_bytes(spec, batch: int, ctx: int) -> int:
@@ -189,6 +224,8 @@ def main() -> None:
                     "logprobs with this many alternatives, against none")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (GPUs) per engine; the "
                     "roofline then reads the weights at that many times the copy bandwidth")
+    ap.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    ap.add_argument("--prefill", action="store_true", help="also prefill tok/s per shape")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if not args.out:
@@ -211,7 +248,7 @@ def main() -> None:
         short = shape.split("-")[1]
         for batch in (args.batches_1b if short == "1b" else args.batches_8b):
             engine = make_engine(folder, batch, async_scheduling=args.async_scheduling,
-                                 tp=args.tensor_parallel)
+                                 tp=args.tensor_parallel, quantization=args.quantization)
             try:
                 modes = [HiddenStatesMode.NONE]
                 if batch == 64 and short == "1b":
@@ -220,14 +257,17 @@ def main() -> None:
                 r = best[HiddenStatesMode.NONE]
                 graph_ms = graph_replay_ms(engine, batch)
                 spec = engine.spec
-                roof = 1000 * (weight_bytes(spec, batch) + kv_bytes(spec, batch, PROMPT + NEW // 2)) / bw
+                lb = 1 if args.quantization == "fp8" else 2
+                roof = 1000 * (weight_bytes(spec, batch, lb) + kv_bytes(spec, batch, PROMPT + NEW // 2)) / bw
                 # NOTE: spec is rank 0's shard under tensor parallelism: the whole model's bytes
                 # over N GPUs' bandwidth
                 if args.tensor_parallel > 1:
                     whole = ModelSpec.from_folder(folder)
-                    roof = 1000 * (weight_bytes(whole, batch) + kv_bytes(whole, batch, PROMPT + NEW // 2)
+                    roof = 1000 * (weight_bytes(whole, batch, lb) + kv_bytes(whole, batch, PROMPT + NEW // 2)
                                    ) / (bw * args.tensor_parallel)
                 row = {"shape": shape, "batch": batch, "tensor_parallel": args.tensor_parallel,
+                       "quantization": args.quantization,
+                       "kv_tokens": engine.pool.num_blocks * engine.pool.block_size,
                        "step_ms": round(r["step_ms"], 3),
                        "tok_s": round(r["tok_s"], 1), "graph_replay_ms": round(graph_ms, 3),
                        "roofline_ms": round(roof, 3),
@@ -256,6 +296,9 @@ def main() -> None:
                 keys["none_under_full_ceiling_overhead"] = round(r["step_ms"] / p["step_ms"] - 1, 4)
             if not args.no_hf:
                 row.update(hf_steps(folder, batch))
+            if args.prefill and batch == 1:
+                row["prefill_tok_s"] = round(prefill_tok_s(folder, args.quantization,
+                                                           args.repeats), 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
             if short == "1b" and batch == 1:
@@ -270,6 +313,7 @@ def main() -> None:
                 keys["step_over_roofline_bs1_8b"] = row["step_over_roofline"]
     write_result(args.out, {"benchmark": "gpu_decode", "copy_bandwidth_tb_s": round(bw / 1e12, 3),
                             "prompt_len": PROMPT, "new_tokens": NEW, "dtype": "bfloat16",
+                            "quantization": args.quantization,
                             "async_scheduling": args.async_scheduling, "pdl": not args.no_pdl,
                             "max_splits": args.splits,
                             **keys, "rows": rows})

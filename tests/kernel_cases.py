@@ -353,7 +353,8 @@ def check_gemv_rotary_store(device, dtype, heads, kv_heads, head_dim, k, rms, se
     gemv_head_norm_store (each head RMS-normed first by its last program; its tickets zero again
     after each launch)."""
     from hsserve.kernels.elementwise import rms_inverse_ref
-    from hsserve.kernels.gemv import gemv_head_norm_store, gemv_ref, gemv_rotary_store
+    from hsserve.kernels.gemv import gemv_ref, gemv_rotary_store
+    from hsserve.kernels.gemv_head_norm import gemv_head_norm_store
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     n = (heads + 2 * kv_heads) * head_dim

@@ -32,6 +32,7 @@ FAMILIES = ("phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")  # NOTE: served 
 
 def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | None = None,
                     tp_dir: str | None = None) -> str:
+    """family_dirs: served as llm_<name> (in the stub); tp_dir: as llm_tp2 over two ranks."""
     repo = os.path.join(root, "model_repository")
     shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
     capped = os.path.join(repo, "llm_capped")
@@ -89,17 +90,27 @@ def add_parameter(config_path: str, key: str, value: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def triton_server(tmp_path_factory, smollm_dir, tiny_model_dir):
+def triton_server(tmp_path_factory, smollm_dir, tiny_model_dir, fp8_served_dir):
     root = str(tmp_path_factory.mktemp("triton"))
-    repo = make_repository(root, smollm_dir, {f: tiny_model_dir(f) for f in FAMILIES},
-                           tp_dir=tiny_model_dir("llama"))
+    served = {f: tiny_model_dir(f) for f in FAMILIES} | {"fp8": fp8_served_dir}
+    repo = make_repository(root, smollm_dir, served, tp_dir=tiny_model_dir("llama"))
     server = start_server(repo, log_path=os.path.join(root, "server.log"))
     try:
         server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped", "llm_sync_last", "hidden_classifier",
-                                                   "llm_classifier", "llm_tp2", *(f"llm_{f}" for f in FAMILIES)))
+                                                   "llm_classifier", "llm_tp2", "llm_fp8", *(f"llm_{f}" for f in FAMILIES)))
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def fp8_served_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama in compressed-tensors FP8 (per-channel weights, per-token activations):
+    served as llm_fp8."""
+    from fp8_checkpoints import write_fp8_copy
+
+    return write_fp8_copy(tiny_model_dir("llama"), str(tmp_path_factory.mktemp("fp8-served")),
+                          "channel", "token")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -22,6 +22,9 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     load_format: str = "auto"  # auto: the folder's safetensors; dummy: random weights (benchmarks)
+    # NOTE: fp8: a bf16 / float32 checkpoint's linears quantized at load (models/fp8.py); a
+    # float8 checkpoint (its quantization_config) loads as it is either way
+    quantization: str = "none"
     device: str = "auto"  # auto = cuda when available, else cpu
     hidden_states_ceiling: HiddenStatesMode = HiddenStatesMode.FULL
     # NOTE: None = every layer 0..L; else HF hidden_states indices (negative from the end).
@@ -58,6 +61,8 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} not in {_DTYPES}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format: {self.load_format!r}; allowed: auto, dummy")
+        if self.quantization not in ("none", "fp8"):
+            raise ConfigError(f"quantization: {self.quantization!r}; allowed: none, fp8")
         if self.hidden_dtype not in _DTYPES[1:]:
             raise ConfigError(f"hidden_dtype: {self.hidden_dtype!r} not in {_DTYPES[1:]}")
         if self.async_scheduling not in ("auto", "on", "off"):

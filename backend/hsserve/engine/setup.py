@@ -115,7 +115,8 @@ def build_shard(config: EngineConfig, device: torch.device, folder: str,
     if device.type == "cpu" and (config.num_threads or tp > 1):
         # NOTE: the ranks share the cores
         torch.set_num_threads(max(1, (config.num_threads or torch.get_num_threads()) // tp))
-    model = load_model(folder, config.dtype, device, config.load_format, parallel)
+    model = load_model(folder, config.dtype, device, config.load_format, parallel,
+                       config.quantization)
     spec = model.spec
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     bs = config.block_size

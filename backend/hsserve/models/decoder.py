@@ -22,8 +22,8 @@ from hsserve.models.hidden_capture import HiddenCapture
 from hsserve.kernels import attend, cpu_ops, store_kv
 from hsserve.kernels.elementwise import (add_rmsnorm, embed_rotary, rms_inverse_ref,
                                          rotary_store_, silu_mul)
-from hsserve.kernels.gemv import (gemv, gemv_fits, gemv_head_norm_store, gemv_rotary_store,
-                                  gemv_silu_mul, head_norm_fits)
+from hsserve.kernels.gemv import gemv, gemv_fits, gemv_rotary_store, gemv_silu_mul
+from hsserve.kernels.gemv_head_norm import gemv_head_norm_store, head_norm_fits
 from hsserve.models.linear import Linear
 from hsserve.models.moe import MoE
 from hsserve.models.rope import Rotary, attention_factor, inverse_frequencies
@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, index: int = 0):
+    def __init__(self, spec: ModelSpec, index: int = 0, fp8: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads,
@@ -58,8 +58,8 @@ class Attention(nn.Module):
             spec.head_dim,
         )
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
-        self.o_proj = Linear(q_size, spec.hidden_size)
+        self.qkv = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias, fp8=fp8)
+        self.o_proj = Linear(q_size, spec.hidden_size, fp8=fp8)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         # NOTE: gemv_head_norm_store's per-head tickets (zero between launches)
@@ -83,12 +83,13 @@ class Attention(nn.Module):
         if fused and self.q_norm is None and self.qkv.takes_gemv(x):
             # NOTE: one kernel: the qkv product, rotary, the cache writes
             q = gemv_rotary_store(x, self.qkv.weight, h, kvh, rope.cos, rope.sin, kv,
-                                  batch.slot_mapping, folded_eps)
+                                  batch.slot_mapping, folded_eps, scales=self.qkv.fp8_scales())
         elif fused and qk is not None and self.qkv.bias is None and head_norm_fits(
                 x, self.qkv.weight, self.head_dim):
             # NOTE: one kernel: the qkv product, then each head's norm, rotary, cache write
             q = gemv_head_norm_store(x, self.qkv.weight, h, kvh, rope.cos, rope.sin, kv,
-                                     batch.slot_mapping, qk, self.head_tickets, folded_eps)
+                                     batch.slot_mapping, qk, self.head_tickets, folded_eps,
+                                     scales=self.qkv.fp8_scales())
         else:
             qkv = self.qkv(x).view(len(x), -1, self.head_dim)
             if fused:  # NOTE: one kernel: (q/k norm,) rotary on q and k, the k and v writes
@@ -120,10 +121,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, fp8: bool = False):
         super().__init__()
-        self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size)
-        self.down = Linear(spec.intermediate_size, spec.hidden_size)
+        self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size, fp8=fp8)
+        self.down = Linear(spec.intermediate_size, spec.hidden_size, fp8=fp8)
         self.gelu = spec.activation == "gelu_tanh"  # NOTE: Gemma's; the kernels are SiLU's
 
     def forward(self, x, folded_eps: float | None = None):
@@ -134,19 +135,20 @@ class MLP(nn.Module):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down(F.gelu(gate, approximate="tanh") * up)
         if self.gate_up.takes_gemv(x):
-            h = gemv_silu_mul(x, self.gate_up.weight, folded_eps)  # NOTE: one kernel
+            h = gemv_silu_mul(x, self.gate_up.weight, folded_eps,  # NOTE: one kernel
+                              scales=self.gate_up.fp8_scales())
         else:
             h = silu_mul(self.gate_up(x), stream, folded_eps or 0.0)
         return self.down(h, into=stream)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, index: int):
+    def __init__(self, spec: ModelSpec, index: int, fp8: bool = False):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec, index)
+        self.attn = Attention(spec, index, fp8)
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MoE(spec) if spec.is_moe_layer(index) else MLP(spec)
+        self.mlp = MoE(spec) if spec.is_moe_layer(index) else MLP(spec, fp8)
 
     def forward(self, x, residual, rope, batch, kv):
         """x: the previous layer's MLP output (the embeddings for the first layer, residual None).
@@ -172,13 +174,13 @@ class GemmaLayer(nn.Module):
     """Gemma 3's layer: the attention and MLP outputs are normed before they join the residual
     stream (four norms); the same contract as DecoderLayer."""
 
-    def __init__(self, spec: ModelSpec, index: int):
+    def __init__(self, spec: ModelSpec, index: int, fp8: bool = False):
         super().__init__()
         h, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_norm, self.post_attn_norm = RMSNorm(h, eps), RMSNorm(h, eps)
         self.pre_ff_norm, self.post_ff_norm = RMSNorm(h, eps), RMSNorm(h, eps)
-        self.attn = Attention(spec, index)
-        self.mlp = MLP(spec)
+        self.attn = Attention(spec, index, fp8)
+        self.mlp = MLP(spec, fp8)
 
     def forward(self, x, residual, rope, batch, kv):
         if residual is None:
@@ -190,13 +192,16 @@ class GemmaLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, spec: ModelSpec, parallel: TensorParallel | None = None):
-        """parallel: this rank's shard (spec: its shape, models/tensor_parallel.py)."""
+    def __init__(self, spec: ModelSpec, parallel: TensorParallel | None = None,
+                 fp8: bool = False):
+        """parallel: this rank's shard (spec: its shape, models/tensor_parallel.py); fp8: the
+        layers' linears hold float8 weights (models/fp8.py; the embedding, lm_head and experts
+        stay in the model's dtype)."""
         super().__init__()
         self.spec, self.parallel = spec, parallel
         self.embed = _param(spec.vocab_size, spec.hidden_size)
         layer = GemmaLayer if spec.gemma_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer(spec, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(layer(spec, i, fp8) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         vocab = parallel.vocab_rows(spec.vocab_size) if parallel else spec.vocab_size
         self.lm_head = Linear(spec.hidden_size, vocab)
@@ -204,8 +209,11 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed  # NOTE: one tensor, loaded once
         for lay in self.layers if parallel else ():  # NOTE: the row-parallel products
             lay.attn.o_proj.reduce = parallel.all_reduce
+            lay.attn.o_proj.reduce_max = parallel.all_max
             mlp = lay.mlp
             (mlp if isinstance(mlp, MoE) else mlp.down).reduce = parallel.all_reduce
+            if not isinstance(mlp, MoE):
+                mlp.down.reduce_max = parallel.all_max
         self.register_buffer(
             "inv_freq", inverse_frequencies(spec.head_dim, spec.rope), persistent=False
         )
@@ -223,11 +231,12 @@ class Decoder(nn.Module):
         gate_up (experts: MoE.fold_norm; q/k norms come after the scale, rotary_store_), once,
         after loading; False, nothing done, where the layers cannot run folded: a qkv bias (the
         scale must come before it), Gemma's norms, or float16 (the unnormalized stream through a
-        GEMM could overflow it)."""
+        GEMM could overflow it), or float8 weights (the product would need new scales)."""
         if self.folded:
             return True  # NOTE: once: a second fold would apply the weights twice
         spec, w = self.spec, self.layers[0].attn.qkv.weight
-        if spec.qkv_bias or spec.gemma_norms or w is None or w.dtype == torch.float16:
+        if (spec.qkv_bias or spec.gemma_norms or w is None
+                or w.dtype in (torch.float16, torch.float8_e4m3fn)):
             return False
         for layer in self.layers:
             layer.attn.qkv.fold_norm(layer.input_norm.weight)

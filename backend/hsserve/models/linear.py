@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hsserve.kernels import cpu_ops
+from hsserve.kernels.fp8 import Fp8Scales, fp8_gemm, fp8_linear_ref
 from hsserve.kernels.gemv import gemv, gemv_fits
+from hsserve.models.fp8 import FP8, FP8_MAX, quantize_input
 
 _PACK_BATCH_HINT = 32  # NOTE: best across M = 1..2048 (bench/README.md#cpu-mkl-packed-linears)
 # NOTE: the dense copy doubles the linears' memory: kept only up to this many bytes of them
@@ -51,9 +53,18 @@ def _mkl_packing_available() -> bool:
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 fp8: bool = False):
+        """fp8: the weight is float8 W8 with a float32 scale per output row (models/fp8.py),
+        both kept (CUDA); the CPU holds dequantized weights."""
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features,
+                                               dtype=FP8 if fp8 else None), requires_grad=False)
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32)
+                             if fp8 else None, persistent=False)
+        # NOTE: the checkpoint quantizes the inputs: per token, or by input_scale ([1], static)
+        self.quantize_inputs = False
+        self.input_scale: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
         self.mkl_packed: torch.Tensor | None = None  # NOTE: MKL's, for _MKL_ROWS rows
@@ -61,16 +72,27 @@ class Linear(nn.Module):
         self.compiled_rows = 0
         # NOTE: row-parallel (tensor parallelism): sums a rank's partial product over the ranks
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # NOTE: and, for inputs quantized per token, takes each row's amax over the ranks
+        self.reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b); with `into`, added to it in place and returned (on CUDA by the GEMM
         itself: an out-of-place add would cost a copy kernel)."""
         if self.reduce is not None:  # NOTE: the whole product first, then the add
-            y = self.reduce(self._product(x))
+            rounded = self.quantize_inputs and self.input_scale is None
+            if rounded:
+                x = self._round_whole_rows(x)
+            y = self.reduce(self._product(x, rounded=rounded))
             return y if into is None else into.add_(y)
         return self._product(x, into)
 
-    def _product(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, into: torch.Tensor | None = None,
+                 rounded: bool = False) -> torch.Tensor:
+        """rounded: x is rounded to float8 already (no input quantization here)."""
+        if self.weight_scale is not None:
+            return self._fp8_product(x, into, rounded)
+        if self.quantize_inputs and not rounded:  # NOTE: the reference's rounding (CPU)
+            x = quantize_input(x, self.input_scale)
         if self.compiled is not None:
             y = cpu_ops.gemm(x, self.compiled, self.compiled_rows, self.bias)
             return y if into is None else into.add_(y)
@@ -94,6 +116,37 @@ class Linear(nn.Module):
         (Decoder.fold_norms)."""
         w = self.weight
         w.copy_((w.float() * weight.float()[None, :]).to(w.dtype))
+
+    def _fp8_product(self, x: torch.Tensor, into: torch.Tensor | None,
+                     rounded: bool = False) -> torch.Tensor:
+        """The float8 weight's product: one row by the GEMV, more by fp8_gemm (the reference off
+        CUDA)."""
+        scales, w = self.fp8_scales(), self.weight
+        if rounded:
+            scales = Fp8Scales(scales.weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        into2 = into.view(-1, w.shape[0]) if into is not None else None
+        if not x.is_cuda:
+            y = fp8_linear_ref(x2, w, scales, self.bias)
+            y = y if into2 is None else into2.add_(y)
+        elif self.takes_gemv(x2):
+            y = gemv(x2, w, into2, scales=scales)
+        else:
+            y = fp8_gemm(x2, w, scales, self.bias, into2)
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    def _round_whole_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's share of x rounded to float8 by the whole row's amax (the
+        ranks' largest), as one engine would; the product then takes x as it is."""
+        amax = self.reduce_max(x.abs().amax(dim=-1, keepdim=True).contiguous())
+        scale = torch.where(amax == 0, torch.finfo(amax.dtype).eps, amax / FP8_MAX)
+        return quantize_input(x, scale)
+
+    def fp8_scales(self) -> Fp8Scales | None:
+        """The scales the FP8 kernels apply (None: not a float8 weight)."""
+        if self.weight_scale is None:
+            return None
+        return Fp8Scales(self.weight_scale, self.quantize_inputs, self.input_scale)
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether x W^T goes through our GEMV kernel (no bias; see gemv_fits); the fused

@@ -29,6 +29,11 @@ class TensorParallel:
         self.group.allreduce([x]).wait()
         return x
 
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest of the ranks' x, in place (row-parallel inputs' amax)."""
+        self.group.allreduce([x], torch.distributed.ReduceOp.MAX).wait()
+        return x
+
     def agree_min(self, value: int) -> int:
         """The smallest of the ranks' values (e.g. KV blocks that fit on every device)."""
         t = torch.tensor([value], dtype=torch.int64)
