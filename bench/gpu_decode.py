@@ -9,11 +9,12 @@ MODE costs at batch 64: MODE=last vs none, and MODE=none on a server whose ceili
 whose ceiling is none. steady_step_ms: the step in the middle of a run (output tokens 16 to 112),
 without the start, and without the end where MODE=last takes one more step for the last rows.
 
-    python bench/gpu_decode.py [--shapes llama-1b llama-8b] [--quantization fp8] [--prefill]
+    python bench/gpu_decode.py [--shapes llama-1b llama-8b] [--quantization none fp8] [--prefill]
                                [--out FILE]
 
 --quantization fp8: every linear in float8 (per-channel scales), embeddings, norms and lm_head
-bf16; the roofline counts those bytes. Each row reports kv_tokens, the cache's room. --prefill:
+bf16; the roofline counts those bytes. Several formats: each shape in each (a shape whose weights
+do not fit the GPU is skipped), fp8_over_bf16_tok_s_* their ratio. Each row reports kv_tokens, the cache's room. --prefill:
 also prefill throughput, PREFILL_BATCH prompts of PREFILL_LEN tokens (one output token each).
 
 Default --out: bench/results/h200_decode_<shapes>.json (h200_decode_1b.json, h200_decode_8b.json,
@@ -210,6 +211,91 @@ def hf_steps(folder: str, batch: int) -> dict:
     return out
 
 
+def batch_row(args, folder: str, shape: str, batch: int, quant: str, bw: float, keys: dict) -> dict:
+    """One engine at one batch size: its best decode run against the roofline (batch 64 of the
+    1B shape: MODE=last, logprobs and the none ceiling beside it), prefill at batch 1."""
+    short = shape.split("-")[1]
+    tp = args.tensor_parallel
+    engine = make_engine(folder, batch, async_scheduling=args.async_scheduling, tp=tp,
+                         quantization=quant)
+    try:
+        modes = [HiddenStatesMode.NONE]
+        if batch == 64 and short == "1b":
+            modes.append(HiddenStatesMode.LAST)
+        best = best_of(engine, batch, args.repeats, modes)
+        r = best[HiddenStatesMode.NONE]
+        lb = 1 if quant == "fp8" else 2
+        # NOTE: spec is rank 0's shard under tensor parallelism: the whole model's bytes over
+        # N GPUs' bandwidth
+        whole = ModelSpec.from_folder(folder) if tp > 1 else engine.spec
+        roof = 1000 * (weight_bytes(whole, batch, lb) + kv_bytes(whole, batch, PROMPT + NEW // 2)
+                       ) / (bw * tp)
+        row = {"shape": shape, "batch": batch, "tensor_parallel": tp, "quantization": quant,
+               "kv_tokens": engine.pool.num_blocks * engine.pool.block_size,
+               "step_ms": round(r["step_ms"], 3), "tok_s": round(r["tok_s"], 1),
+               "graph_replay_ms": round(graph_replay_ms(engine, batch), 3),
+               "roofline_ms": round(roof, 3), "step_over_roofline": round(r["step_ms"] / roof, 2),
+               "graph_captures": engine.num_graph_captures}
+        if HiddenStatesMode.LAST in best:
+            last = best[HiddenStatesMode.LAST]
+            row["last_step_ms"] = round(last["step_ms"], 3)
+            row["steady_step_ms"] = round(r["steady_step_ms"], 3)
+            row["last_steady_step_ms"] = round(last["steady_step_ms"], 3)
+            row["graph_with_rows_replay_ms"] = round(graph_replay_ms(engine, batch, True), 3)
+            keys["last_vs_none_overhead_bs64"] = round(last["step_ms"] / r["step_ms"] - 1, 4)
+        if args.logprobs is not None and batch == 64 and short == "1b":
+            row.update(logprobs_ab(engine, batch, args.repeats, args.logprobs))
+            keys["logprobs_vs_none_overhead_bs64"] = row["logprobs_overhead"]
+    finally:
+        engine.shutdown()
+    if batch == 64 and short == "1b":
+        plain = make_engine(folder, batch, ceiling=HiddenStatesMode.NONE,
+                            async_scheduling=args.async_scheduling, quantization=quant)
+        try:
+            p = best_of(plain, batch, args.repeats)[HiddenStatesMode.NONE]
+        finally:
+            plain.shutdown()
+        row["none_ceiling_step_ms"] = round(p["step_ms"], 3)
+        keys["none_under_full_ceiling_overhead"] = round(r["step_ms"] / p["step_ms"] - 1, 4)
+    if not args.no_hf:
+        row.update(hf_steps(folder, batch))
+    if args.prefill and batch == 1:
+        row["prefill_tok_s"] = round(prefill_tok_s(folder, quant, args.repeats), 1)
+    return row
+
+
+def fits(folder: str, quant: str, tp: int) -> bool:
+    """Whether the shape's weights take at most 95% of the GPU's memory (bf16 70B on one GPU
+    does not)."""
+    lb = 1 if quant == "fp8" else 2
+    return weight_bytes(ModelSpec.from_folder(folder), 1, lb) / tp < 0.95 * torch.cuda.mem_get_info()[1]
+
+
+def shape_rows(args, shape: str, quant: str, bw: float, keys: dict) -> list[dict]:
+    """The rows of one shape in one weight format, a fresh engine per batch size; `keys` gets
+    the summary figures."""
+    folder = random_model(shape)
+    short = shape.split("-")[1]
+    if not fits(folder, quant, args.tensor_parallel):
+        print(f"{shape} {quant}: the weights do not fit this GPU; skipped", flush=True)
+        keys.setdefault("skipped", []).append(f"{shape} {quant}")
+        return []
+    rows = []
+    tag = "" if quant == "none" else f"_{quant}"
+    for batch in (args.batches_1b if short == "1b" else args.batches_8b):
+        row = batch_row(args, folder, shape, batch, quant, bw, keys)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if short == "1b" and batch == 1:
+            keys[f"decode_step_ms_bs1_1b{tag}"] = row["step_ms"]
+        if short == "1b" and batch == 64:
+            keys[f"decode_tok_s_bs64_1b{tag}"] = round(64 * 1000 / row["step_ms"], 1)
+        if short != "1b":
+            keys[f"decode_step_ms_bs{batch}_{short}{tag}"] = row["step_ms"]
+            keys[f"step_over_roofline_bs{batch}_{short}{tag}"] = row["step_over_roofline"]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-8b"], choices=sorted(SHAPES))
@@ -224,7 +310,8 @@ def main() -> None:
                     "logprobs with this many alternatives, against none")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (GPUs) per engine; the "
                     "roofline then reads the weights at that many times the copy bandwidth")
-    ap.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
+                    help="weight formats, each shape run in each (fp8 beside none: their ratio)")
     ap.add_argument("--prefill", action="store_true", help="also prefill tok/s per shape")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -244,76 +331,16 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, keys = [], {}
     for shape in args.shapes:
-        folder = random_model(shape)
-        short = shape.split("-")[1]
-        for batch in (args.batches_1b if short == "1b" else args.batches_8b):
-            engine = make_engine(folder, batch, async_scheduling=args.async_scheduling,
-                                 tp=args.tensor_parallel, quantization=args.quantization)
-            try:
-                modes = [HiddenStatesMode.NONE]
-                if batch == 64 and short == "1b":
-                    modes.append(HiddenStatesMode.LAST)
-                best = best_of(engine, batch, args.repeats, modes)
-                r = best[HiddenStatesMode.NONE]
-                graph_ms = graph_replay_ms(engine, batch)
-                spec = engine.spec
-                lb = 1 if args.quantization == "fp8" else 2
-                roof = 1000 * (weight_bytes(spec, batch, lb) + kv_bytes(spec, batch, PROMPT + NEW // 2)) / bw
-                # NOTE: spec is rank 0's shard under tensor parallelism: the whole model's bytes
-                # over N GPUs' bandwidth
-                if args.tensor_parallel > 1:
-                    whole = ModelSpec.from_folder(folder)
-                    roof = 1000 * (weight_bytes(whole, batch, lb) + kv_bytes(whole, batch, PROMPT + NEW // 2)
-                                   ) / (bw * args.tensor_parallel)
-                row = {"shape": shape, "batch": batch, "tensor_parallel": args.tensor_parallel,
-                       "quantization": args.quantization,
-                       "kv_tokens": engine.pool.num_blocks * engine.pool.block_size,
-                       "step_ms": round(r["step_ms"], 3),
-                       "tok_s": round(r["tok_s"], 1), "graph_replay_ms": round(graph_ms, 3),
-                       "roofline_ms": round(roof, 3),
-                       "step_over_roofline": round(r["step_ms"] / roof, 2),
-                       "graph_captures": engine.num_graph_captures}
-                if HiddenStatesMode.LAST in best:
-                    last = best[HiddenStatesMode.LAST]
-                    row["last_step_ms"] = round(last["step_ms"], 3)
-                    row["steady_step_ms"] = round(r["steady_step_ms"], 3)
-                    row["last_steady_step_ms"] = round(last["steady_step_ms"], 3)
-                    row["graph_with_rows_replay_ms"] = round(graph_replay_ms(engine, batch, True), 3)
-                    keys["last_vs_none_overhead_bs64"] = round(last["step_ms"] / r["step_ms"] - 1, 4)
-                if args.logprobs is not None and batch == 64 and short == "1b":
-                    row.update(logprobs_ab(engine, batch, args.repeats, args.logprobs))
-                    keys["logprobs_vs_none_overhead_bs64"] = row["logprobs_overhead"]
-            finally:
-                engine.shutdown()
-            if batch == 64 and short == "1b":
-                plain = make_engine(folder, batch, ceiling=HiddenStatesMode.NONE,
-                                    async_scheduling=args.async_scheduling)
-                try:
-                    p = best_of(plain, batch, args.repeats)[HiddenStatesMode.NONE]
-                finally:
-                    plain.shutdown()
-                row["none_ceiling_step_ms"] = round(p["step_ms"], 3)
-                keys["none_under_full_ceiling_overhead"] = round(r["step_ms"] / p["step_ms"] - 1, 4)
-            if not args.no_hf:
-                row.update(hf_steps(folder, batch))
-            if args.prefill and batch == 1:
-                row["prefill_tok_s"] = round(prefill_tok_s(folder, args.quantization,
-                                                           args.repeats), 1)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            if short == "1b" and batch == 1:
-                keys["decode_step_ms_bs1_1b"] = row["step_ms"]
-            if short == "1b" and batch == 64:
-                keys["decode_tok_s_bs64_1b"] = round(64 * 1000 / row["step_ms"], 1)
-            if short not in ("1b", "8b"):
-                keys[f"decode_step_ms_bs{batch}_{short}"] = row["step_ms"]
-                keys[f"step_over_roofline_bs{batch}_{short}"] = row["step_over_roofline"]
-            if short == "8b" and batch == 1:
-                keys["decode_step_ms_bs1_8b"] = row["step_ms"]
-                keys["step_over_roofline_bs1_8b"] = row["step_over_roofline"]
+        for quant in args.quantization:
+            rows += shape_rows(args, shape, quant, bw, keys)
+    by = {(r["shape"], r["batch"], r["quantization"]): r["tok_s"] for r in rows}
+    for (shape, batch, quant), tok_s in by.items():
+        if quant == "fp8" and (shape, batch, "none") in by:
+            keys[f"fp8_over_bf16_tok_s_bs{batch}_{shape.split('-')[1]}"] = round(
+                tok_s / by[shape, batch, "none"], 3)
     write_result(args.out, {"benchmark": "gpu_decode", "copy_bandwidth_tb_s": round(bw / 1e12, 3),
                             "prompt_len": PROMPT, "new_tokens": NEW, "dtype": "bfloat16",
-                            "quantization": args.quantization,
+                            "quantizations": args.quantization,
                             "async_scheduling": args.async_scheduling, "pdl": not args.no_pdl,
                             "max_splits": args.splits,
                             **keys, "rows": rows})

@@ -34,7 +34,8 @@ def quantize_rows_ref(x: torch.Tensor, scale: torch.Tensor | None
     `scale` ([1])."""
     xf = x.float()
     if scale is None:
-        s = xf.abs().amax(dim=1) / FP8_MAX
+        amax = xf.abs().amax(dim=1)  # NOTE: tensor / tensor: CUDA divides a scalar by reciprocal
+        s = amax / torch.full_like(amax, FP8_MAX)
         s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
     else:
         s = scale.float().expand(len(x))

@@ -76,8 +76,10 @@ def _x_row(x_row, rk, kmask, XS, QUANT_X: tl.constexpr):
 def _row_scales(WS, rows, HAS_SCALE: tl.constexpr):
     """The float8 weight rows' scales (1 for a plain weight)."""
     if HAS_SCALE:
-        return tl.load(WS + rows)
-    return 1.0
+        s = tl.load(WS + rows)
+    else:
+        s = 1.0  # NOTE: one return: Triton types every return of a function alike
+    return s
 
 
 @triton.jit
