@@ -9,6 +9,8 @@ tokens with cosine >= 0.999 against a float32 transformers forward (SPEC toleran
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -200,21 +202,22 @@ def test_gpu_no_kernel_is_compiled_while_serving(tiny_dirs):
         before = compiled_variants()
         assert "hsserve.kernels.paged_prefill_attention._varlen_kernel" in before, before
         g = torch.Generator().manual_seed(3)
-        streams = []
-        for i in range(48):  # NOTE: 1..300-token prompts arriving while others decode
+        ends = []
+        for i in range(48):  # NOTE: 1..300-token prompts, each arriving while the last decodes
             n = int(torch.randint(1, 300, (1,), generator=g))
             ids = torch.randint(3, 1000, (n,), generator=g).tolist()
             if i % 5 == 0:
                 ids = list(range(3, 3 + n))  # NOTE: prefix-cache hits of every length
-            streams.append(engine.submit(GenerationRequest(
+            first, end = threading.Event(), threading.Event()
+            engine.submit(GenerationRequest(
                 f"r{i}", prompt_ids=ids,
-                sampling=SamplingParams(max_tokens=int(i % 9) + 64, ignore_eos=True))))
-            if i % 3 == 0:
-                streams[-1].result(timeout=300)
-        [s.result(timeout=300) for s in streams]
-        # NOTE: a precondition (prompts did arrive while others decoded), timing-dependent: the
-        # requests decode long enough (max_tokens) that it holds on a fast GPU
-        assert engine.num_mixed_steps > mixed + 5, engine.num_mixed_steps - mixed
+                sampling=SamplingParams(max_tokens=int(i % 9) + 64, ignore_eos=True)),
+                sink=lambda d, first=first, end=end: (d.token_ids and first.set(),
+                                                      d.request_done and end.set()))
+            assert first.wait(300)  # NOTE: decoding 64+ steps more: the next prompt mixes in
+            ends.append(end)
+        assert all(e.wait(300) for e in ends)
+        assert engine.num_mixed_steps >= mixed + 47, engine.num_mixed_steps - mixed
         assert compiled_variants() == before
     finally:
         engine.shutdown()
