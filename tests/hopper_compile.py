@@ -1,6 +1,8 @@
-"""Compiles the GEMV / float8 kernels' launches for sm_90 (Hopper) without a GPU; run as a script
-in a process of its own (the suite's process runs Triton's interpreter, whose functions do not
-compile): `python tests/hopper_compile.py` prints a line per variant that fails and exits 1.
+"""Compiles every launch variant of the GEMV and float8 kernels for sm_90 without a GPU.
+
+Run as a script in a process of its own (the suite's process runs Triton's interpreter, whose
+functions do not compile): `python tests/hopper_compile.py` prints a line per variant that fails
+and exits 1 (tests/kernels/test_kernels_compile_for_hopper.py runs it).
 
 A stand-in driver names an sm_90 target and each launch is compiled (JITFunction's warm-up),
 not run: the outputs are not looked at here (fp8_kernel_cases.py checks them).
