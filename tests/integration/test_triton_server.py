@@ -92,6 +92,26 @@ def test_streaming_full_mode_rows_follow_tokens(triton_server):
         assert r["HIDDEN_STATES"].shape[0] == len(r["output_ids"])
 
 
+def test_stream_interval_gives_the_same_tokens_text_and_rows_in_fewer_responses(triton_server):
+    fields = dict(text_input=PROMPT, max_tokens=11, temperature=0.0, ignore_eos=True, MODE="full",
+                  stream=True)
+    one = stream_once(triton_server.grpc_url, fields)
+    four = stream_once(triton_server.grpc_url, fields, parameters={"stream_interval": 4})
+    js = stream_once(triton_server.grpc_url, {**fields,
+                                               "sampling_parameters": '{"stream_interval": "4"}'})
+    assert one.error is None and four.error is None and js.error is None
+    ids = lambda got: [int(t) for r in got.responses for t in r["output_ids"]]  # noqa: E731
+    text = lambda got: "".join(r["text_output"][0].decode() for r in got.responses)  # noqa: E731
+    rows = lambda got: np.concatenate([r["HIDDEN_STATES"] for r in got.responses])  # noqa: E731
+    assert len(one.responses) == 11
+    for got in (four, js):
+        assert [len(r["output_ids"]) for r in got.responses] == [1, 4, 4, 2]
+        assert ids(got) == ids(one) and text(got) == text(one)
+        np.testing.assert_array_equal(rows(got), rows(one))
+    bad = stream_once(triton_server.grpc_url, fields, parameters={"stream_interval": 0})
+    assert bad.error is not None and "stream_interval" in str(bad.error)
+
+
 def test_a_stream_naming_its_outputs_gets_those_and_the_same_tokens(triton_server):
     fields = dict(text_input=PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True, MODE="last",
                   stream=True)

@@ -111,3 +111,12 @@ def test_min_tokens_above_max_tokens_is_refused():
     sp = parse({"min_tokens": np.array([9], np.int32), "max_tokens": np.array([4], np.int32)})
     with pytest.raises(RequestError, match="min_tokens"):
         sp.request.sampling.validate(4096, 1)
+
+
+def test_stream_interval_from_sampling_parameters_or_request_parameters():
+    assert parse({}).stream_interval is None, "the server's default"
+    assert parse({"sampling_parameters": strings('{"stream_interval": "8"}')}).stream_interval == 8
+    assert parse({}, {"stream_interval": 3}).stream_interval == 3
+    for bad in ('{"stream_interval": 0}', '{"stream_interval": 1.5}'):
+        with pytest.raises(RequestError, match="stream_interval"):
+            parse({"sampling_parameters": strings(bad)})

@@ -98,7 +98,8 @@ def test_config_from_parameters():
             EngineConfig.from_parameters(bad)
     for bad, word in [({"engine_process": "sometimes"}, "engine_process"),
                       ({"drain_timeout_s": "-1"}, "drain_timeout_s"), ({"nope": "1"}, "unknown"),
-                      ({"default_max_tokens": "5000"}, "default_max_tokens")]:
+                      ({"default_max_tokens": "5000"}, "default_max_tokens"),
+                      ({"stream_interval": "0"}, "stream_interval")]:
         with pytest.raises(ConfigError, match=word):
             split_parameters(bad)
 

@@ -14,9 +14,9 @@ from hsserve.triton.sender import ResponseSender
 class Sender:
     """A ResponseSender over a recording deliver, `inflight` streams in flight."""
 
-    def __init__(self, rate: int, inflight: int):
+    def __init__(self, rate: int, inflight: int, interval: int = 1):
         self.sent: list[tuple[float, str, Delta]] = []
-        self.model = ResponseSender(rate, lambda: inflight, self._record)
+        self.model = ResponseSender(rate, lambda: inflight, self._record, lambda _rid: interval)
         self.model.start()
 
     def _record(self, rid: str, d: Delta) -> None:
@@ -135,3 +135,28 @@ def test_a_final_does_not_wait_behind_responses_held_for_the_budget():
     _, rid, d = s.sent[40]
     assert (rid, d.token_ids, d.request_done) == ("r39", [1], True), s.sent[40]
     assert sorted(rid for _, rid, _ in s.sent[41:]) == sorted(f"r{i}" for i in range(39))
+
+
+def test_stream_interval_sends_the_first_at_once_then_n_tokens_a_response():
+    s = Sender(rate=0, inflight=1, interval=4)
+    for t in range(10):
+        s.put(token("a", t))
+        time.sleep(0.003)
+    s.put(token("a", 10, final=True))
+    s.stop()
+    assert [d.token_ids for _, _, d in s.sent] == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    assert s.sent[-1][2].request_done
+
+
+def test_stream_interval_caps_what_the_budget_merges():
+    s = Sender(rate=10, inflight=10, interval=3)  # NOTE: a second between responses
+    s.put(token("a", 0))
+    time.sleep(0.05)
+    for t in range(1, 12):
+        s.put(token("a", t))
+    s.put(token("a", 12, final=True))
+    s.stop()
+    got = [d.token_ids for _, _, d in s.sent]
+    assert got[0] == [0]
+    assert [t for ids in got for t in ids] == list(range(13)), "nothing lost, order kept"
+    assert all(len(ids) <= 3 for ids in got), got

@@ -74,7 +74,8 @@ class TritonPythonModel:
         decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else None
         self.requests = InflightRequests(Responses(pb, decode), self.engine.abort, log.log_warn)
         self.sender = ResponseSender(self.config.stream_responses_per_s,
-                                     self.requests.num_streams, self.requests.deliver).start()
+                                     self.requests.num_streams, self.requests.deliver,
+                                     self.requests.stream_interval).start()
         self._stopping = threading.Event()
         metrics = EngineMetrics(pb, {"model": args["model_name"],
                                      "version": str(args["model_version"])})
@@ -109,6 +110,7 @@ class TritonPythonModel:
                                    self.config.default_max_tokens,
                                    self.config.exclude_input_in_output)
             state.stream, state.returns = parsed.stream, parsed.returns
+            state.interval = parsed.stream_interval or self.config.stream_interval
             state.echo = parsed.request.prompt if parsed.echo else ""
             reqs.add(rid, state)
             self.engine.submit(parsed.request, sink=self.sender.put)

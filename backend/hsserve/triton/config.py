@@ -20,6 +20,9 @@ class AdapterConfig:
     # NOTE: streamed responses a second over all requests; above it a response carries several
     # tokens (bench/README.md#response-sender). 0 = one response per token
     stream_responses_per_s: int = 4000
+    # NOTE: a streamed response each this many tokens (the first at once), at most this many in
+    # one; a request's own `stream_interval` overrides it
+    stream_interval: int = 1
     default_max_tokens: int = 16  # a request's max_tokens when it gives none
     # NOTE: a request that does not say: false answers as vllm_backend does (a non-streamed
     # text_output starts with the prompt); true (ours): the completion only
@@ -30,6 +33,8 @@ class AdapterConfig:
             raise ConfigError(f"drain_timeout_s: {self.drain_timeout_s} must be in 0..3600")
         if self.stream_responses_per_s < 0:
             raise ConfigError(f"stream_responses_per_s: must be >= 0, got {self.stream_responses_per_s}")
+        if self.stream_interval < 1:
+            raise ConfigError(f"stream_interval: must be >= 1, got {self.stream_interval}")
         if self.default_max_tokens < 0:
             raise ConfigError(f"default_max_tokens: must be >= 0, got {self.default_max_tokens}")
 

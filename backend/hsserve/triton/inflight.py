@@ -22,6 +22,7 @@ class Inflight:
     next_cancel_check: float = 0.0
     echo: str = ""  # not streamed: the prompt text each completion's text_output starts with
     returns: frozenset = frozenset()  # vllm_backend's return_* outputs asked for
+    interval: int = 1  # streamed: tokens a response (stream_interval)
     # NOTE: once the final response is sent Triton frees the request, and asking its sender
     # is_cancelled() then crashes tritonserver (seen: SIGSEGV in
     # TRITONBACKEND_ResponseFactoryIsCancelled): the final send and every is_cancelled() hold
@@ -67,6 +68,11 @@ class InflightRequests:
 
     def __len__(self) -> int:
         return len(self._states)
+
+    def stream_interval(self, rid: str) -> int:
+        """The request's stream_interval (1 once it is forgotten, or not streamed)."""
+        state = self._states.get(rid)  # NOTE: one dict read, no lock: the sender asks each round
+        return state.interval if state is not None and state.stream else 1
 
     def num_streams(self) -> int:
         return sum(1 for st in list(self._states.values()) if st.stream)

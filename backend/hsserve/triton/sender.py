@@ -6,6 +6,9 @@ streams each response carries several tokens while a lone stream gets every toke
 Firsts and finals never wait for the budget and go first in a round (a first is its client's
 TTFT, a final frees its client for the next request); then at most ROUND_DUE of the responses
 merely due, longest due first (bench/README.md#response-sender).
+
+A completion's stream_interval N > 1: its first response goes at once, then one each N tokens
+(the final: what is left), never more than N a response, whatever the budget would merge.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ _STOP = None
 
 class ResponseSender:
     def __init__(self, rate: int, streams: Callable[[], int],
-                 deliver: Callable[[str, Delta], None]):
+                 deliver: Callable[[str, Delta], None],
+                 interval: Callable[[str], int] = lambda _rid: 1):
         """rate: responses a second over all streams (0: no budget); streams(): how many are in
-        flight; deliver(request_id, merged delta): sends it (on this thread)."""
+        flight; deliver(request_id, merged delta): sends it (on this thread); interval(request_id):
+        its stream_interval."""
         self.rate, self._streams, self.deliver = rate, streams, deliver
+        self._interval = interval
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._held: dict[tuple[str, int], list[Delta]] = {}
         self._next_at: dict[tuple[str, int], float] = {}
@@ -52,18 +58,47 @@ class ResponseSender:
             now = time.monotonic()
             gap = self._streams() / self.rate if self.rate else 0.0
             for key in self._round(now, stop):
-                deltas = self._held.pop(key)
-                if deltas[-1].finished:
+                groups, rest = self._responses(key, self._held.pop(key), stop)
+                if rest:
+                    self._held[key] = rest
+                if groups[-1][-1].finished:
                     self._next_at.pop(key, None)
                 else:
                     self._next_at[key] = now + gap
-                self.deliver(key[0], Delta.merge(deltas))
+                for deltas in groups:
+                    self.deliver(key[0], Delta.merge(deltas))
+
+    def _responses(self, key: tuple[str, int], deltas: list[Delta], stop: bool
+                   ) -> tuple[list[list[Delta]], list[Delta]]:
+        """A completion's held deltas -> (its responses' deltas, those held back): all in one
+        under stream_interval 1, else groups of N tokens, the rest held unless final or first."""
+        n = self._interval(key[0])
+        if n <= 1:
+            return [deltas], []
+        groups, cur, count = [], [], 0
+        for d in deltas:
+            cur.append(d)
+            count += len(d.token_ids)
+            if count >= n:
+                groups.append(cur)
+                cur, count = [], 0
+        if cur and (stop or cur[-1].finished or not groups and key not in self._next_at):
+            groups.append(cur)
+            cur = []
+        return groups, cur
+
+    def _ready(self, key: tuple[str, int], deltas: list[Delta]) -> bool:
+        """Whether a completion already answered once holds a response's worth (N tokens)."""
+        n = self._interval(key[0])
+        return n <= 1 or sum(len(d.token_ids) for d in deltas) >= n
 
     def _gather(self, stop: bool) -> bool:
         """Wait for deltas (until the soonest held one is due) and hold them; True at the stop."""
         timeout = None
-        if self._held:
-            soonest = min(self._next_at.get(k, 0.0) for k in self._held)
+        waiting = [k for k, ds in self._held.items()
+                   if k not in self._next_at or ds[-1].finished or self._ready(k, ds)]
+        if waiting:
+            soonest = min(self._next_at.get(k, 0.0) for k in waiting)
             timeout = max(0.0, soonest - time.monotonic())
         batch: list = []
         try:
@@ -86,7 +121,7 @@ class ResponseSender:
         for key, deltas in self._held.items():
             if stop or deltas[-1].finished or key not in self._next_at:
                 urgent.append(key)
-            elif now >= self._next_at[key]:
+            elif now >= self._next_at[key] and self._ready(key, deltas):
                 due.append(key)
         # NOTE: a request's last response goes after its other completions' finals of this round:
         # once it is sent, the request is forgotten

@@ -48,6 +48,7 @@ _SETTINGS: dict[str, Callable[[str, Any], Any]] = {
     "stream": as_bool,
     "exclude_input_in_output": as_bool,
     "num_logprobs": lambda n, v: as_int(n, v, 0, _INT32),
+    "stream_interval": lambda n, v: as_int(n, v, 1, _INT32),
     **dict.fromkeys(dialects.RETURNS, as_bool),
 }
 _ALIASES = {"logprobs": "num_logprobs"}  # NOTE: vllm_backend's JSON name for the same setting
@@ -64,6 +65,7 @@ class ParsedRequest:
     stream: bool
     echo: bool = False  # a non-streamed text_output starts with the prompt (vllm_backend's)
     returns: frozenset = frozenset()  # vllm_backend's return_* outputs, on every response
+    stream_interval: int | None = None  # tokens a streamed response; None: the server's
 
 
 def _json_settings(source: str, raw: Any) -> dict[str, Any]:
@@ -170,4 +172,5 @@ def parse_request(
         stream=stream,
         echo=not exclude and not stream and prompt is not None,
         returns=returns,
+        stream_interval=values.get("stream_interval"),
     )
