@@ -127,7 +127,8 @@ QUANTS = (None, "weights", "token", "static")
 VARIANTS = {
     **{f"gemvs quant={q} pdl={p}": (gemvs, q, p) for q in QUANTS for p in (False, True)},
     **{f"fused qkv quant={q} qk_norm={n}": (fused_qkv, q, n) for q in QUANTS for n in (False, True)},
-    **{f"fp8 gemm quant={q} rows={m}": (gemm, q, m) for q in QUANTS[1:] for m in (4, 40, 300)},
+    **{f"fp8 gemm quant={q} rows={m}": (gemm, q, m)
+       for q in QUANTS[1:] for m in (4, 40, 300, 600)},  # NOTE: 600: the widened weight's kernel
 }
 
 

@@ -24,7 +24,7 @@ def test_quantize_rows_matches_reference():
 
 
 @pytest.mark.parametrize("quantize_inputs, static", SCHEMES)
-@pytest.mark.parametrize("m, n, k", [(3, 70, 200), (40, 64, 96)])
+@pytest.mark.parametrize("m, n, k", [(3, 70, 200), (40, 64, 96), (600, 40, 96)])
 def test_fp8_gemm_matches_float64(m, n, k, quantize_inputs, static):
     check_fp8_gemm("cpu", torch.float32, m, n, k, quantize_inputs, static, on_grid=True)
 

@@ -124,15 +124,42 @@ def _fp8_gemm_kernel(X, W, Y, WS, XS, B, M, N, K, stride_x, stride_y,
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=ymask)
 
 
-def gemm_config(m: int, x_fp8: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by rows: small tiles at decode sizes (more
-    programs over the weight), large ones for prefill."""
-    bk = 128 if x_fp8 else 64
+def gemm_config(m: int, n: int, k: int, x_fp8: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by rows and shape: small tiles at decode sizes
+    (more programs over the weight), large ones above (bench/README.md#fp8-gemm-configs)."""
+    if x_fp8:
+        return (16, 64, 256, 4, 4) if m <= 16 else (64, 64, 128, 4, 4) if m <= 64 \
+            else (128, 128, 128, 8, 3)
     if m <= 16:
-        return 16, 64, 256 if x_fp8 else 128, 4, 4
+        return 16, 32, 256, 4, 4
     if m <= 64:
-        return 64, 64, bk, 4, 4
-    return 128, 128, bk, 8, 3
+        if n >= 16384:
+            return 64, 64, 64, 4, 4
+        if k >= 12288 and n <= 4096:
+            return 64, 32, 256, 4, 3
+        return (32, 64, 128, 4, 4) if n <= 4096 else (64, 32, 128, 4, 4)
+    return 128, 128, 64, 8, 3
+
+
+DEQUANT_ROWS = 512  # NOTE: from here (not in a graph) W widened once + cuBLAS wins (bench/README.md#fp8-gemm-configs)
+
+
+@triton.jit
+def _dequantize_kernel(W, S, OUT, K, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.load(S + row)
+    for start in range(0, K, BLOCK):
+        rk = start + tl.arange(0, BLOCK)
+        w = tl.load(W + row * K + rk, mask=rk < K, other=0.0).to(tl.float32)
+        tl.store(OUT + row * K + rk, (w * s).to(OUT.dtype.element_ty), mask=rk < K)
+
+
+def dequantize_weight(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W8 [N, K] * scale [N] in float32, rounded to dtype, in one kernel (a program a row)."""
+    n, k = w8.shape
+    out = torch.empty(n, k, dtype=dtype, device=w8.device)
+    _dequantize_kernel[(n,)](w8, scale, out, k, BLOCK=1024, num_warps=4)
+    return out
 
 
 def fp8_gemm(x: torch.Tensor, w8: torch.Tensor, scales: Fp8Scales,
@@ -144,11 +171,15 @@ def fp8_gemm(x: torch.Tensor, w8: torch.Tensor, scales: Fp8Scales,
     n = w8.shape[0]
     assert x.stride(1) == 1 and w8.is_contiguous() and w8.shape[1] == k
     assert scales.weight.shape == (n,) and scales.weight.dtype == torch.float32
+    if (not scales.quantize_inputs and m >= DEQUANT_ROWS
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        y = F.linear(x, dequantize_weight(w8, scales.weight, x.dtype), bias)
+        return y if into is None else into.add_(y)
     y = into if into is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     xs = scales.weight  # NOTE: a placeholder pointer where x is not quantized
     if scales.quantize_inputs:
         x, xs = quantize_rows(x, scales.input)
-    bm, bn, bk, warps, stages = gemm_config(m, scales.quantize_inputs)
+    bm, bn, bk, warps, stages = gemm_config(m, n, k, scales.quantize_inputs)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _fp8_gemm_kernel[grid](x, w8, y, scales.weight, xs, bias if bias is not None else xs, m, n, k,
                            x.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
