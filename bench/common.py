@@ -29,6 +29,7 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "isa": torch.backends.cpu.get_cpu_capability(),  # NOTE: what torch's CPU kernels dispatch to
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

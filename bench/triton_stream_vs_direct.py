@@ -1,6 +1,6 @@
 """gRPC streaming through tritonserver vs the engine called directly, same machine, same run.
 
-For concurrency 1 and 16 (default): tokens/s, TTFT p50/p99 and inter-token latency p50/p99, for
+For concurrency 1, 8 and 32 (default): tokens/s, TTFT p50/p99 and inter-token latency p50/p99, for
 the engine in this process (a consumer thread per request, or sinks), the engine in a child process
 as the adapter runs it (engine/process.py, sinks), and gRPC streams through tritonserver.
 Each request: a ~30-token prompt, 64 new tokens (EOS ignored), greedy, MODE=none. The engine
@@ -10,7 +10,7 @@ the llm model folder; prompts are 32 random token ids (input_ids); gRPC clients 
 --client-procs processes so that the Python client is not what is measured (--client-cpus: on
 CPUs of their own). Each client thread keeps one gRPC stream for its requests (--streams).
 
-    python bench/triton_stream_vs_direct.py [--concurrency 1 16] [--requests 32]
+    python bench/triton_stream_vs_direct.py [--concurrency 1 8 32] [--requests 64]
     python bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 --requests 1536 \
         --new 256 --client-procs 8 --client-cpus 6 --out bench/results/h200_triton.json
 """
@@ -307,8 +307,8 @@ def run_procs(url: str, new: int, concurrency: int, n: int, procs: int, ids: boo
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--shape", default="", help="GPU: a bench/shapes.py shape, random weights")
     ap.add_argument("--client-procs", type=int, default=1)
