@@ -2,7 +2,8 @@
 
 A real tritonserver on free ports, serving a copy of the repository's model_repository plus
 `llm_capped` (the same model with a lower hidden-state ceiling, a few captured layers,
-HIDDEN_STATES declared TYPE_BF16, and its engine in the stub instead of a child process)."""
+HIDDEN_STATES declared TYPE_BF16, and its engine in the stub instead of a child process) and
+`llm_spec` (the same model with n-gram speculative decoding)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | No
     for family, folder in (family_dirs or {}).items():
         cfg = copy_model(repo, f"llm_{family}", folder)
         set_parameter(cfg, "engine_process", "false")  # NOTE: one process fewer each
+    cfg = copy_model(repo, "llm_spec", smollm_dir)  # NOTE: n-gram speculative decoding, in the stub
+    set_parameter(cfg, "engine_process", "false")
+    add_parameter(cfg, "speculative_method", "ngram")
+    add_parameter(cfg, "num_speculative_tokens", "4")
     if tp_dir:  # NOTE: a tiny model over two ranks, in an engine process (small: CI's memory)
         set_parameter(copy_model(repo, "llm_tp2", tp_dir), "tensor_parallel_size", "2")
     return repo
@@ -97,7 +102,7 @@ def triton_server(tmp_path_factory, smollm_dir, tiny_model_dir, fp8_served_dir):
     server = start_server(repo, log_path=os.path.join(root, "server.log"))
     try:
         server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped", "llm_sync_last", "hidden_classifier",
-                                                   "llm_classifier", "llm_tp2", "llm_fp8", *(f"llm_{f}" for f in FAMILIES)))
+                                                   "llm_classifier", "llm_tp2", "llm_fp8", "llm_spec", *(f"llm_{f}" for f in FAMILIES)))
         yield server
     finally:
         server.stop()

@@ -192,7 +192,7 @@ def test_logprobs_of_a_greedy_graph_step_come_from_the_replay_and_equal_the_eage
         s.num_computed = s.num_tokens - 1
     step = launch(ex, [Chunk(s, s.num_computed, 1) for s in (a, b)])
     assert step.logprobs.ranks is None, "the replay's argmax: no rank kernel"
-    got = token_logprobs(step.logprobs, step.sampled)
+    got = token_logprobs(step.logprobs, sum(step.sampled))
     logits = torch.zeros(2, VOCAB)
     logits[[0, 1], [3, 4]] = 1.0  # NOTE: FakeGraphs' logits
     want = logits.log_softmax(-1)
@@ -207,7 +207,7 @@ def test_logprobs_of_a_greedy_graph_step_come_from_the_replay_and_equal_the_eage
         s.num_computed += 1
     step = launch(ex, [Chunk(s, s.num_computed, 1) for s in (a, b)])
     tokens = ex.complete(step)
-    got = token_logprobs(step.logprobs, step.sampled)
+    got = token_logprobs(step.logprobs, sum(step.sampled))
     assert step.logprobs.ranks is not None, "one row samples: the kernel's ranks"
     assert abs(got[1].logprob - want[1, tokens[1]].item()) < 1e-6
     assert got[1].rank == (1 if tokens[1] == 4 else 2) and got[1].top_ids == [4]

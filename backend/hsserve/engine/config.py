@@ -55,6 +55,13 @@ class EngineConfig:
     num_threads: int = 0  # CPU torch threads; 0 = torch's default
     # NOTE: ranks the model is split over (processes of the engine's own; GPUs from the engine's)
     tensor_parallel_size: int = 1
+    # NOTE: speculative decoding (engine/speculative.py): none | ngram; k tokens proposed a step;
+    # ngram_min / ngram_max: the suffix lengths prompt lookup tries (0: 1 and 4)
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 0
+    speculative_model: str = ""
+    ngram_min: int = 0
+    ngram_max: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -87,12 +94,47 @@ class EngineConfig:
             raise ConfigError(f"prefill_wait_ms: {self.prefill_wait_ms} must be in 0..1000")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError("kv_cache_memory_fraction: must be in (0, 1]")
+        check_speculative(self)
+
+    @property
+    def ngram_range(self) -> tuple[int, int]:
+        """(min, max) suffix lengths of prompt lookup, defaults filled in."""
+        return self.ngram_min or 1, self.ngram_max or max(4, self.ngram_min)
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> EngineConfig:
         """Parse string values (config.pbtxt `parameters`) into a validated config; unknown keys
         are refused so that a typo does not silently fall back to a default."""
         return cls(**parse_fields(cls, params))
+
+
+def check_speculative(c: EngineConfig) -> None:
+    """Refuse a speculative setting that means nothing with the others, naming it."""
+    method, k = c.speculative_method, c.num_speculative_tokens
+    if method not in ("none", "ngram", "eagle3"):
+        raise ConfigError(f"speculative_method: {method!r}; allowed: none, ngram, eagle3")
+    if method == "eagle3":  # NOTE: the draft head's loader and forward are not built yet
+        raise ConfigError("speculative_method: eagle3 is not available yet; allowed now: none, ngram")
+    if method == "none":
+        for name in ("num_speculative_tokens", "speculative_model", "ngram_min", "ngram_max"):
+            if getattr(c, name):
+                raise ConfigError(f"{name}: set while speculative_method is none")
+        return
+    if not 1 <= k <= 32:
+        raise ConfigError(f"num_speculative_tokens: {k} must be in 1..32 with speculative_method "
+                          f"{method}")
+    if k >= c.max_num_batched_tokens:
+        raise ConfigError(f"num_speculative_tokens: {k} must be < max_num_batched_tokens "
+                          f"({c.max_num_batched_tokens})")
+    if c.speculative_model:
+        raise ConfigError("speculative_model: a draft model is for eagle3; ngram proposes from "
+                          "the sequence itself")
+    for name in ("ngram_min", "ngram_max"):
+        if not 0 <= getattr(c, name) <= 64:
+            raise ConfigError(f"{name}: {getattr(c, name)} must be in 1..64 (0: the default)")
+    lo, hi = c.ngram_range
+    if lo > hi:
+        raise ConfigError(f"ngram_min: {lo} must be <= ngram_max ({hi})")
 
 
 def parse_fields(cls, params: Mapping[str, Any]) -> dict[str, Any]:

@@ -191,43 +191,55 @@ class Executor:
 
     def _tokens(self, logits: torch.Tensor, sampling: list[Chunk], greedy: torch.Tensor | None,
                 every_row: bool):
-        """The sampling chunks' tokens (host copy) and log-probabilities where asked. greedy: a
-        graph replay's own argmax samples (used when every row of it is plainly greedy)."""
-        params = [c.seq.sampling for c in sampling]
+        """The sampling chunks' tokens (host copy, one per logits row: a chunk with a draft has
+        one per row) and log-probabilities where asked. greedy: a graph replay's own argmax
+        samples (used when every row of it is plainly greedy)."""
+        rows = [(c, j) for c in sampling for j in range(c.num_samples)]
+        params = [c.seq.sampling for c, _ in rows]
+        # NOTE: a row's output index: the token it predicts, counted from the first generated
+        steps = [c.end - len(c.draft) + j - c.seq.num_prompt_tokens for c, j in rows]
         banned = None
         if any(p.min_tokens for p in params):  # NOTE: most steps: nobody's min_tokens
-            banned = [banned_tokens(p, self.eos_ids, c.end - c.seq.num_prompt_tokens)
-                      for c, p in zip(sampling, params)]
+            banned = [banned_tokens(p, self.eos_ids, i) for p, i in zip(params, steps)]
         if greedy is not None and every_row and all(p.greedy for p in params) and not any(
                 banned or ()):
             # NOTE: the replay's argmax wrote the samples (device and host) and logprobs' stats
             tokens, found = greedy
             return tokens, step_logprobs(logits, self.sampled, params,
                                          (found, self.graphs.lse[: len(params)]))
-        samples, tokens = self._sample(logits, sampling, params, banned)
+        samples, tokens = self._sample(logits, [c.seq.seed for c, _ in rows], steps, params,
+                                       banned)
         return tokens, step_logprobs(logits, samples, params)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Chunk], params,
+    def _sample(self, logits: torch.Tensor, seeds: list[int], steps: list[int], params,
                 banned: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples of the sampling chunks, written where a step queued ahead reads its inputs:
-        (on the device, host copy)."""
-        where = self.sampled[: len(sampling)]
+        """Samples of the sampling rows, written where a step queued ahead reads its inputs:
+        (on the device, host copy). A step with drafts has more rows than that buffer: nothing
+        is queued ahead of it (scheduler.schedule_ahead)."""
+        where = self.sampled[: len(params)] if len(params) <= len(self.sampled) else None
         cuda = self.device.type == "cuda"
         # NOTE: on CUDA written in place (no copy kernel); on the CPU download() returns the
         # tensor itself, so it must stay apart
-        samples = sample(logits, params, [c.seq.seed for c in sampling],
-                         [c.end - c.seq.num_prompt_tokens for c in sampling],
-                         out=where if cuda else None, banned=banned)
-        if not cuda:
+        samples = sample(logits, params, seeds, steps, out=where if cuda else None, banned=banned)
+        if not cuda and where is not None:
             where.copy_(samples)
         return samples, download(samples)
 
-    def complete(self, step: Launched) -> list[int | None]:
-        """Wait for a launched step: per chunk its sampled token, None where none was."""
+    def complete(self, step: Launched) -> list[int | list[int] | None]:
+        """Wait for a launched step: per chunk its sampled token (a chunk with a draft: the
+        target's token at each of its rows, a list), None where none was."""
         if step.done is not None:
             step.done.synchronize()
-        it = iter(step.tokens.tolist() if step.tokens is not None else ())
-        return [next(it) if f else None for f in step.sampled]
+        flat = step.tokens.tolist() if step.tokens is not None else []
+        if len(flat) == sum(step.sampled):
+            it = iter(flat)
+            return [next(it) if f else None for f in step.sampled]
+        out, at = [], 0
+        for c, f in zip(step.chunks, step.sampled):
+            n = c.num_samples if f else 0
+            out.append(None if not f else flat[at] if not c.draft else flat[at : at + n])
+            at += n
+        return out
 
     def _forward_eager(self, chunks: list[Chunk], sources: list[int], sampled: list[bool],
                        plan: RowPlan | None):
@@ -236,12 +248,12 @@ class Executor:
         row = 0
         for i, (c, src, samples) in enumerate(zip(chunks, sources, sampled)):
             seq = c.seq
-            ids += [0] if c.ahead else seq.token_ids[c.start : c.end]
+            ids += [0] if c.ahead else c.input_ids()
             row_sources += [src] * c.num_tokens
             positions += range(c.start, c.end)
             slot_mapping += self._slots(seq.block_table, c.start, c.end)
-            if samples:
-                logit_rows.append(row + c.num_tokens - 1)
+            if samples:  # NOTE: a draft's chunk: every row, the target's view of each position
+                logit_rows += range(row + c.num_tokens - c.num_samples, row + c.num_tokens)
             if plan is not None and plan.slices[i][1]:  # NOTE: a chunk's rows are its last ones
                 first = row + c.num_tokens - plan.slices[i][1]
                 capture_rows += range(first, row + c.num_tokens)

@@ -94,22 +94,24 @@ class HiddenRows:
                        for c, (_, n) in zip(step.chunks, step.plan.slices))
             step.rows.settle(ends)
 
-    def record(self, step: Launched) -> None:
-        """A completed step's rows go to their sequences' ledgers (not a finished one's)."""
-        plan, rows, ledgers = step.plan, step.rows, self._ledgers
-        if plan is None:
+    def record(self, step: Launched, i: int, keep: int) -> None:
+        """Chunk i of a completed step: its rows go to its sequence's ledger, the first `keep`
+        of them (a draft's chunk: the rows of accepted positions only, never a rejected one's)."""
+        plan = step.plan
+        if plan is None or not plan.slices[i][1]:
             return
-        for i in plan.with_rows:
-            seq = step.chunks[i].seq
-            if seq.status is Status.FINISHED:
-                continue  # NOTE: stopped or cancelled while this step ran ahead
-            ledger = ledgers.get(seq) or self._ledger(seq)
-            first, count = plan.slices[i]
-            if seq.hidden_mode is _FULL:
-                ledger.pending.append(rows.take(first, count, seq.hidden_layers, self.dtype))
+        c = step.chunks[i]
+        seq = c.seq
+        ledger = self._ledgers.get(seq) or self._ledger(seq)
+        first, count = plan.slices[i]
+        if seq.hidden_mode is _FULL:
+            # NOTE: a chunk's rows are its last `count`, positions end - count .. end - 1
+            count = min(count, c.start + keep - (c.end - count))
+            if count > 0:
+                ledger.pending.append(step.rows.take(first, count, seq.hidden_layers, self.dtype))
                 ledger.num_done += count
-            else:
-                ledger.last = (rows, first)
+        else:
+            ledger.last = (step.rows, first)
 
     def processed(self, step: Launched) -> None:
         """The step is done with: rows of it still live are not wanted (nothing stays held)."""

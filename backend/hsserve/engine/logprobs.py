@@ -53,13 +53,12 @@ def step_logprobs(logits: torch.Tensor, samples: torch.Tensor, params: list[Samp
     return StepLogprobs(rows, ks, at, values, ranks, top)
 
 
-def token_logprobs(found: StepLogprobs | None, sampled: list[bool]) -> list[TokenLogprob | None]:
-    """Per chunk of the step (sampled: whether it sampled), its token's entry or None. Called
-    once the step's copies are done."""
-    out: list[TokenLogprob | None] = [None] * len(sampled)
+def token_logprobs(found: StepLogprobs | None, num_rows: int) -> list[TokenLogprob | None]:
+    """Per sampling row of the step (num_rows of them), its token's entry or None. Called once
+    the step's copies are done."""
+    out: list[TokenLogprob | None] = [None] * num_rows
     if found is None:
         return out
-    chunk_of = [i for i, f in enumerate(sampled) if f]
     values = found.values.tolist()
     ranks = found.ranks.tolist() if found.ranks is not None else None
     ids = top_v = None
@@ -74,5 +73,5 @@ def token_logprobs(found: StepLogprobs | None, sampled: list[bool]) -> list[Toke
             alt_ids, alt_v = ids[j], top_v[j]
         else:
             alt_ids, alt_v = ids[j][:k], top_v[j][:k]
-        out[chunk_of[row]] = TokenLogprob(values[e], int(ranks[e]) if ranks else 1, alt_ids, alt_v)
+        out[row] = TokenLogprob(values[e], int(ranks[e]) if ranks else 1, alt_ids, alt_v)
     return out

@@ -10,6 +10,7 @@ from hsserve.engine.hidden_rows import HiddenRows, wants_final_row
 from hsserve.engine.logprobs import token_logprobs
 from hsserve.engine.scheduler import Scheduler
 from hsserve.engine.sequence import Sequence, Status
+from hsserve.engine.speculative import accepted_length
 from hsserve.engine.stats import EngineStats
 from hsserve.engine.types import Launched
 from hsserve.request import Delta, FinishReason, TokenLogprob
@@ -24,25 +25,44 @@ class Outputs:
         self.eos_ids = eos_ids
         self._on_request_done = on_request_done
 
-    def process(self, step: Launched, tokens: list[int | None]) -> None:
-        """A completed step's tokens (None where none was sampled) and rows, per chunk."""
-        self.rows.record(step)
-        logprobs = token_logprobs(step.logprobs, step.sampled)
+    def process(self, step: Launched, tokens: list) -> None:
+        """A completed step's tokens (per chunk: None where none was sampled, a list for a chunk
+        with a draft) and rows."""
+        num_rows = sum(c.num_samples for c, f in zip(step.chunks, step.sampled) if f)
+        logprobs, at = token_logprobs(step.logprobs, num_rows), 0
         for i, c in enumerate(step.chunks):
             seq = c.seq
+            first, at = at, at + (c.num_samples if step.sampled[i] else 0)
             if seq.status is Status.FINISHED:
                 continue  # NOTE: stopped or cancelled while this step ran ahead
             decided = seq.finish_reason is not None  # NOTE: a sample after the end is void
-            seq.num_computed = c.end
-            self.scheduler.cache_computed(seq)
             token = None if decided else tokens[i]
-            if token is not None:
-                self._append(seq, token, logprobs[i])
+            if c.draft and token is not None:
+                self._verify(seq, c, token, logprobs[first:at])
+            else:
+                seq.num_computed = c.end
+                if token is not None:
+                    self._append(seq, token, logprobs[first])
+            self.rows.record(step, i, seq.num_computed - c.start)
+            self.scheduler.cache_computed(seq)
             if seq.finish_reason is not None and (
                     not wants_final_row(seq) or (c.completes and token is None)):
                 self.finish(seq)
             else:
                 self.publish(seq, final=False)
+
+    def _verify(self, seq: Sequence, c, targets: list[int], logprobs: list) -> None:
+        """A draft's chunk: its drafts up to the first the target disagrees with are accepted,
+        then the target's own token there; an end decided on the way drops the rest. The last
+        token stays uncomputed, as after any decode (its K/V and row come with the next step)."""
+        m = accepted_length(c.draft, targets)
+        self.stats.draft_tokens += len(c.draft)
+        self.stats.accepted_tokens += m
+        for j in range(m + 1):
+            self._append(seq, targets[j], logprobs[j])
+            if seq.finish_reason is not None:
+                break
+        seq.num_computed = seq.num_tokens - 1
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token)

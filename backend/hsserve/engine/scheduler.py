@@ -16,14 +16,17 @@ from typing import Callable
 from hsserve.engine.block_pool import BlockPool, chain_hash
 from hsserve.engine.hidden_rows import covers_every_prompt_row, wants_final_row
 from hsserve.engine.sequence import Sequence, Status
+from hsserve.engine.speculative import NgramProposer
 from hsserve.engine.types import Chunk
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_wait_ms: float = 0.0,
-                 on_preempt: Callable[[Sequence], None] | None = None):
+                 on_preempt: Callable[[Sequence], None] | None = None,
+                 proposer: NgramProposer | None = None):
         self.pool = pool
+        self.proposer = proposer  # NOTE: speculative decoding: drafts for the decodes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_wait_s = prefill_wait_ms / 1000
@@ -89,11 +92,15 @@ class Scheduler:
         running = sorted(self.running, key=lambda s: s.arrival)
         # NOTE: decodes first, oldest first; a victim is always the newest running sequence,
         # so never one already scheduled.
+        # NOTE: drafts take only what is left once every decode has its one token
+        spare = budget - sum(s.num_uncomputed == 1 for s in running)
         for seq in running:
             if seq.status is Status.RUNNING and seq.num_uncomputed == 1 and budget:
-                if self._reserve(seq):
-                    chunks.append(Chunk(seq, seq.num_computed, 1))
-                    budget -= 1
+                draft = self._draft(seq, spare)
+                if self._reserve(seq, len(draft)):
+                    chunks.append(Chunk(seq, seq.num_computed, 1 + len(draft), draft=draft))
+                    budget -= 1 + len(draft)
+                    spare -= len(draft)
         # NOTE: then prompts already started, then new ones: each gets what the budget leaves,
         # so a long prompt is split into chunks and never stalls the decodes above.
         for seq in running:
@@ -180,9 +187,18 @@ class Scheduler:
             if self._computing.get(h) is seq:
                 del self._computing[h]
 
-    def _reserve(self, seq: Sequence) -> bool:
-        """Make sure seq has blocks for all its tokens, preempting newer sequences if needed."""
-        need = self.pool.blocks_for(seq.num_tokens) - len(seq.block_table)
+    def _draft(self, seq: Sequence, spare: int) -> tuple[int, ...]:
+        """Tokens proposed to follow seq's last (none for a row-only chunk), no more than the
+        budget's spare tokens or than would take it past its length limit with the target's."""
+        if self.proposer is None or seq.finish_reason is not None:
+            return ()
+        return self.proposer.propose(seq.token_ids,
+                                     min(spare, seq.max_num_tokens - seq.num_tokens - 1))
+
+    def _reserve(self, seq: Sequence, extra: int = 0) -> bool:
+        """Make sure seq has blocks for all its tokens and `extra` after them (a draft's),
+        preempting newer sequences if needed."""
+        need = max(0, self.pool.blocks_for(seq.num_tokens + extra) - len(seq.block_table))
         while not self.pool.can_allocate(need):
             victim = max(
                 (s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.arrival

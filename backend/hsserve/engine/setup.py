@@ -23,6 +23,7 @@ from hsserve.models.spec import ModelSpec
 from hsserve.models.tensor_parallel import TensorParallel, local_spec
 from hsserve.request import HiddenStatesMode
 from hsserve.engine.scheduler import Scheduler
+from hsserve.engine.speculative import NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,12 @@ def build_shard(config: EngineConfig, device: torch.device, folder: str,
     return Shard(model, executor, max_model_len, layers)
 
 
+def proposer_for(config: EngineConfig) -> NgramProposer | None:
+    if config.speculative_method == "none":
+        return None
+    return NgramProposer(config.num_speculative_tokens, *config.ngram_range)
+
+
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     folder = model_folder(config)
@@ -177,7 +184,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         tokenizer=load_tokenizer(folder),
         pool=pool,
         scheduler=Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens,
-                            config.prefill_wait_ms, on_preempt=rows.preempted),
+                            config.prefill_wait_ms, on_preempt=rows.preempted,
+                            proposer=proposer_for(config)),
         executor=shard.executor,
         max_model_len=max_model_len,
         max_prompt_tokens=min(config.max_prompt_tokens or max_model_len, max_model_len),

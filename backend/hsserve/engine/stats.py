@@ -18,6 +18,8 @@ class EngineStats:
     def __init__(self):
         self.prompt_tokens = 0  # per request (n completions share one prompt)
         self.generation_tokens = 0
+        self.draft_tokens = 0  # speculative decoding: tokens proposed, and accepted by the target
+        self.accepted_tokens = 0
         self.ttft = deque(maxlen=_MAX_PENDING)  # seconds: submit -> first generated token
         self.itl = deque(maxlen=_MAX_PENDING)  # seconds between consecutive tokens of a sequence
         self.latency = deque(maxlen=_MAX_PENDING)  # seconds: submit -> request done
@@ -29,6 +31,7 @@ class EngineStats:
             running=len(scheduler.running), waiting=len(scheduler.waiting),
             blocks_used=pool.num_used, blocks_total=pool.num_blocks, blocks_cached=pool.num_cached,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            draft_tokens=self.draft_tokens, accepted_tokens=self.accepted_tokens,
             query_tokens=pool.num_query_tokens, hit_tokens=pool.num_hit_tokens,
             graph_captures=graph_captures, ttft=self.drain(self.ttft), itl=self.drain(self.itl),
             latency=self.drain(self.latency),
@@ -60,6 +63,8 @@ class EngineSnapshot:
     blocks_cached: int
     prompt_tokens: int
     generation_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
     query_tokens: int
     hit_tokens: int
     graph_captures: int

@@ -27,6 +27,9 @@ class Chunk:
     # step's sample, still on the device (start == seq.num_tokens when queued)
     ahead: bool = False
     last_input: bool = False  # ahead: that token is the sequence's last by length, so no sample
+    # NOTE: speculative decoding: proposed tokens after the sequence's last, verified this step
+    # (num_tokens counts them; each of the chunk's rows samples a target token)
+    draft: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -35,7 +38,17 @@ class Chunk:
     @property
     def completes(self) -> bool:
         """True when this chunk reaches the last known token of the sequence."""
-        return self.end == self.seq.num_tokens
+        return self.end - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def num_samples(self) -> int:
+        """Target tokens this chunk samples when it samples: one, or one per row of a draft's."""
+        return 1 + len(self.draft)
+
+    def input_ids(self) -> list[int]:
+        """The chunk's input tokens (not for a chunk queued ahead): known ones, then its draft."""
+        ids = self.seq.token_ids[self.start : self.end - len(self.draft)]
+        return ids + list(self.draft) if self.draft else ids
 
     @property
     def samples(self) -> bool:

@@ -25,6 +25,8 @@ _GAUGES = {
 _COUNTERS = {  # key -> (name, description); advanced by the engine's running total
     "prompt_tokens": ("llm_prompt_tokens_total", "Prompt tokens of admitted requests"),
     "generation_tokens": ("llm_generation_tokens_total", "Tokens generated"),
+    "draft_tokens": ("llm_spec_draft_tokens_total", "Speculative tokens proposed"),
+    "accepted_tokens": ("llm_spec_accepted_tokens_total", "Speculative tokens the target accepted"),
     "query_tokens": ("llm_prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache"),
     "hit_tokens": ("llm_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache"),
     "graph_captures": ("llm_graph_captures_total", "CUDA graphs captured (all at start)"),
