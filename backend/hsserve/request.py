@@ -65,6 +65,8 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # NOTE: top alternatives per token (0: the token's own); None: off
+    # NOTE: the prompt's per-token log-probabilities (the same k), answered once; None: off
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +75,9 @@ class SamplingParams:
     def validate(self, max_tokens_limit: int, max_n: int = 1, max_logprobs: int = 20) -> None:
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise RequestError("logprobs", f"{self.logprobs} is outside 0..{max_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            raise RequestError("prompt_logprobs",
+                               f"{self.prompt_logprobs} is outside 0..{max_logprobs}")
         if not 0 <= self.max_tokens <= max_tokens_limit:
             raise RequestError(
                 "max_tokens", f"{self.max_tokens} is outside the allowed range 0..{max_tokens_limit}"
@@ -139,6 +144,8 @@ class Delta:
     request_done: bool = False  # the last delta of the request (of all its n completions)
     logprobs: list[TokenLogprob] | None = None  # per token of this delta, when asked for
     cumulative_logprob: float | None = None  # the completion's, up to this delta's last token
+    # NOTE: per prompt token (the first None), once: in completion 0's first delta that has tokens
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -167,4 +174,6 @@ class Delta:
             request_done=last.request_done,
             logprobs=logprobs,
             cumulative_logprob=last.cumulative_logprob,
+            prompt_logprobs=next((d.prompt_logprobs for d in deltas
+                                  if d.prompt_logprobs is not None), None),
         )

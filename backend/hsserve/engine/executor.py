@@ -14,7 +14,7 @@ import torch
 
 from hsserve.engine.cuda_graphs import DecodeGraphs
 from hsserve.engine.step_rows import RowPlan, StepRows
-from hsserve.engine.logprobs import step_logprobs
+from hsserve.engine.logprobs import PromptLogprobs, prompt_logprobs, step_logprobs
 from hsserve.engine.ranks import Ranks
 from hsserve.engine.sampler import banned_tokens, sample
 from hsserve.engine.transfer import download, upload
@@ -145,7 +145,7 @@ class Executor:
             self.peers.send(chunks, sources, sampled, plan is not None and bool(plan.with_rows))
         graph = self._takes_graph(chunks)
         forward = self._forward_graph if graph else self._forward_eager
-        logits, block, layers, greedy = forward(chunks, sources, sampled, plan)
+        logits, block, layers, greedy, prompt = forward(chunks, sources, sampled, plan)
         tokens = logprobs = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
@@ -163,7 +163,7 @@ class Executor:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Launched(chunks, sampled, tokens, rows, plan, done, logprobs)
+        return Launched(chunks, sampled, tokens, rows, plan, done, logprobs, prompt)
 
     def _takes_graph(self, chunks: list[Chunk]) -> bool:
         g = self.graphs
@@ -272,7 +272,26 @@ class Executor:
         hidden = self.model(ids_t, torch.tensor(positions, device=dev), batch, self.kv_cache, capture)
         logits = self.model.logits(hidden[logit_index]) if logit_index is not None else None
         block = capture.out if capture is not None else None
-        return logits, block, plan.layers if plan is not None else [], None
+        return (logits, block, plan.layers if plan is not None else [], None,
+                self._prompt_logprobs(chunks, hidden))
+
+    def _prompt_logprobs(self, chunks: list[Chunk], hidden: torch.Tensor):
+        """Prompt logprobs of the chunks with a prompt span (each rank alike: the logits are a
+        collective under tensor parallelism)."""
+        found, row = [], 0
+        for i, c in enumerate(chunks):
+            if c.prompt_span is not None:
+                lo, hi, k = c.prompt_span
+                ids = c.seq.token_ids[lo + 1 : hi + 1]
+                # NOTE: a tensor parallel rank sees this chunk's tokens only: its (unread) targets
+                # are padded to the same rows
+                targets = upload(ids + [0] * (hi - lo - len(ids)), self.device)
+                stats, top = prompt_logprobs(self.model.logits,
+                                             hidden[row + lo - c.start : row + hi - c.start],
+                                             targets, k)
+                found.append(PromptLogprobs(i, lo + 1, k, stats, top))
+            row += c.num_tokens
+        return found or None
 
     def _forward_graph(self, chunks: list[Chunk], sources: list[int], sampled: list[bool],
                        plan: RowPlan | None, with_rows: bool | None = None):
@@ -301,6 +320,6 @@ class Executor:
             logits = logits[pick]
         greedy = (greedy, greedy_logprobs)
         if not keep:
-            return logits, None, [], greedy
+            return logits, None, [], greedy, None
         block = rows[keep_index] if keep_index is not None else rows
-        return logits, block if cols is None else block[:, cols], layers, greedy
+        return logits, block if cols is None else block[:, cols], layers, greedy, None

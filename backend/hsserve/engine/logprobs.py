@@ -75,3 +75,44 @@ def token_logprobs(found: StepLogprobs | None, num_rows: int) -> list[TokenLogpr
             alt_ids, alt_v = ids[j][:k], top_v[j][:k]
         out[row] = TokenLogprob(values[e], int(ranks[e]) if ranks else 1, alt_ids, alt_v)
     return out
+
+
+_PROMPT_SLICE = 512  # NOTE: prompt rows a time: a 2k-token prompt's logits over 128k ids is 1 GB
+
+
+@dataclass
+class PromptLogprobs:
+    """Host copies (valid once the step's copies are done) for one chunk's prompt positions: the
+    entries of prompt tokens first..first+m-1."""
+
+    chunk: int
+    first: int
+    k: int
+    stats: torch.Tensor  # [m, 3]: log-probability, rank, logsumexp
+    top: torch.Tensor | None  # packed [m, 2K], as split_topk reads
+
+
+def prompt_logprobs(logits_of, hidden: torch.Tensor, targets: torch.Tensor, k: int):
+    """(stats, top) host copies for rows of `hidden` whose next tokens are `targets`; logits_of:
+    the model's logits (a collective under tensor parallelism: every rank calls it alike)."""
+    stats, tops = [], []
+    for s in range(0, hidden.shape[0], _PROMPT_SLICE):
+        x = logits_of(hidden[s : s + _PROMPT_SLICE])
+        st = token_logprob(x, targets[s : s + _PROMPT_SLICE])
+        stats.append(st)
+        if k:
+            tops.append(topk_logprobs(x, st[:, 2], k))
+    stats = download(torch.cat(stats)) if len(stats) > 1 else download(stats[0])
+    top = None
+    if tops:
+        top = download(torch.cat(tops) if len(tops) > 1 else tops[0])
+    return stats, top
+
+
+def prompt_entries(found: PromptLogprobs) -> list[TokenLogprob]:
+    """The chunk's prompt tokens' entries. Called once the step's copies are done."""
+    values, ranks = found.stats[:, 0].tolist(), found.stats[:, 1].tolist()
+    if found.top is None:
+        return [TokenLogprob(v, int(r), [], []) for v, r in zip(values, ranks)]
+    ids, top_v = (t[:, : found.k].tolist() for t in split_topk(found.top))
+    return [TokenLogprob(v, int(r), i, t) for v, r, i, t in zip(values, ranks, ids, top_v)]

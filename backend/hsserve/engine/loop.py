@@ -23,9 +23,8 @@ from hsserve.engine.admission import Admission, AdmittedRequest, RequestIds, mak
 from hsserve.engine.admission import not_serving
 from hsserve.engine.client import Sink
 from hsserve.engine.config import EngineConfig
-from hsserve.engine.hidden_rows import wants_final_row
 from hsserve.engine.messages import Abort, ClearCache, EngineInfo, Enqueued, FailAll, Stop
-from hsserve.engine.outputs import Outputs
+from hsserve.engine.outputs import Outputs, awaits_compute
 from hsserve.engine.request_stream import RequestStream
 from hsserve.engine.sequence import Sequence, Status
 from hsserve.engine.setup import EngineParts, build_engine_parts
@@ -290,8 +289,8 @@ class Engine:
         self._seqs[seqs[0].request_id] = seqs
         self.stats.prompt_tokens += seqs[0].num_prompt_tokens
         for seq in seqs:
-            if seq.finish_reason is not None and not wants_final_row(seq):
-                self.outputs.finish(seq)  # NOTE: prompt only and no rows asked: nothing to compute
+            if seq.finish_reason is not None and not awaits_compute(seq):
+                self.outputs.finish(seq)  # NOTE: prompt only and nothing asked of a step
             else:
                 self.scheduler.add(seq)
 

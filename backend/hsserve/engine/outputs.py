@@ -7,7 +7,7 @@ import logging
 from typing import Callable
 
 from hsserve.engine.hidden_rows import HiddenRows, wants_final_row
-from hsserve.engine.logprobs import token_logprobs
+from hsserve.engine.logprobs import prompt_entries, token_logprobs
 from hsserve.engine.scheduler import Scheduler
 from hsserve.engine.sequence import Sequence, Status
 from hsserve.engine.speculative import accepted_length
@@ -16,6 +16,11 @@ from hsserve.engine.types import Launched
 from hsserve.request import Delta, FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+
+def awaits_compute(seq: Sequence) -> bool:
+    """A sequence whose end is decided still needs a step: its final row, or prompt logprobs."""
+    return wants_final_row(seq) or seq.awaits_prompt_logprobs
 
 
 class Outputs:
@@ -30,11 +35,14 @@ class Outputs:
         with a draft) and rows."""
         num_rows = sum(c.num_samples for c, f in zip(step.chunks, step.sampled) if f)
         logprobs, at = token_logprobs(step.logprobs, num_rows), 0
+        prompt = {p.chunk: p for p in step.prompt or ()}
         for i, c in enumerate(step.chunks):
             seq = c.seq
             first, at = at, at + (c.num_samples if step.sampled[i] else 0)
             if seq.status is Status.FINISHED:
                 continue  # NOTE: stopped or cancelled while this step ran ahead
+            if i in prompt and len(seq.prompt_logprobs) == prompt[i].first:
+                seq.prompt_logprobs += prompt_entries(prompt[i])
             decided = seq.finish_reason is not None  # NOTE: a sample after the end is void
             token = None if decided else tokens[i]
             if c.draft and token is not None:
@@ -46,7 +54,7 @@ class Outputs:
             self.rows.record(step, i, seq.num_computed - c.start)
             self.scheduler.cache_computed(seq)
             if seq.finish_reason is not None and (
-                    not wants_final_row(seq) or (c.completes and token is None)):
+                    not awaits_compute(seq) or (c.completes and token is None)):
                 self.finish(seq)
             else:
                 self.publish(seq, final=False)
@@ -107,13 +115,17 @@ class Outputs:
             logprobs = seq.logprobs[seq.num_tokens_sent : ready]
             cumulative = seq.logprob_sums[ready - 1] if ready else 0.0
         seq.num_tokens_sent = ready
+        prompt = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent and (
+                not seq.awaits_prompt_logprobs):
+            prompt, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         self._send(seq, Delta(
             request_id=seq.request_id, token_ids=tokens, text=text,
             hidden=self.rows.take(seq, final),
             finish_reason=seq.finish_reason if final else None,
             num_input_tokens=p, num_output_tokens=generated,
             sequence_index=seq.index, request_done=final and seq.group.done,
-            logprobs=logprobs, cumulative_logprob=cumulative,
+            logprobs=logprobs, cumulative_logprob=cumulative, prompt_logprobs=prompt,
         ))
 
     def finish(self, seq: Sequence, publish_rest: bool = True, error: str | None = None) -> None:

@@ -44,10 +44,10 @@ class RankLost(RuntimeError):
 @dataclass(frozen=True)
 class StepOrder:
     """What the other ranks need of a step rank 0 launches: per chunk (start, num_tokens, ahead,
-    input tokens or None when ahead, block table, draft length), the rows' sources, which chunks sample, and
+    input tokens or None when ahead, block table, draft length, prompt span), the rows' sources, which chunks sample, and
     whether a decode graph keeps rows (the graph with rows is replayed on every rank)."""
 
-    chunks: list[tuple[int, int, bool, list[int] | None, list[int], int]]
+    chunks: list[tuple]
     sources: list[int]
     sampled: list[bool]
     with_rows: bool
@@ -77,14 +77,15 @@ class _Seq:
 def order_of(chunks: list[Chunk], sources: list[int], sampled: list[bool],
              with_rows: bool) -> StepOrder:
     return StepOrder([(c.start, c.num_tokens, c.ahead, None if c.ahead else c.input_ids(),
-                       c.seq.block_table, len(c.draft)) for c in chunks], sources, sampled, with_rows)
+                       c.seq.block_table, len(c.draft), c.prompt_span) for c in chunks],
+                     sources, sampled, with_rows)
 
 
 def chunks_of(order: StepOrder) -> list[Chunk]:
     """The order's chunks, shaped as the executor reads them."""
     return [Chunk(_Seq(_Window(start, ids or []), table), start, n, ahead,
-                  draft=tuple(ids[n - k :]) if k else ())
-            for start, n, ahead, ids, table, k in order.chunks]
+                  draft=tuple(ids[n - k :]) if k else (), prompt_span=span)
+            for start, n, ahead, ids, table, k, span in order.chunks]
 
 
 def rank_devices(device: torch.device, size: int) -> list[torch.device]:

@@ -24,6 +24,7 @@ class Result:
     sequence_index: int = 0
     logprobs: list[TokenLogprob] | None = None  # per token, when asked for
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, the first None
 
 
 class RequestStream:

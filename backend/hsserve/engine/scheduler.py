@@ -20,6 +20,17 @@ from hsserve.engine.speculative import NgramProposer
 from hsserve.engine.types import Chunk
 
 
+def prefill_chunk(seq: Sequence, n: int) -> Chunk:
+    """seq's next n uncomputed tokens; with the prompt positions among them whose logits give
+    prompt logprobs not yet recorded (a recompute after preemption records none twice)."""
+    start = seq.num_computed
+    span = None
+    if seq.prompt_logprobs is not None:
+        lo, hi = max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)
+        span = (lo, hi, seq.sampling.prompt_logprobs) if hi > lo else None
+    return Chunk(seq, start, n, prompt_span=span)
+
+
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_wait_ms: float = 0.0,
@@ -106,7 +117,7 @@ class Scheduler:
         for seq in running:
             if seq.status is Status.RUNNING and seq.num_uncomputed > 1 and budget:
                 n = min(seq.num_uncomputed, budget)
-                chunks.append(Chunk(seq, seq.num_computed, n))
+                chunks.append(prefill_chunk(seq, n))
                 budget -= n
         for seq in list(self.waiting) if admit else ():
             if not budget or len(self.running) >= self.max_num_seqs:
@@ -118,12 +129,14 @@ class Scheduler:
             if not self._admit(seq, hashes, hits):
                 break
             n = min(seq.num_uncomputed, budget)
-            chunks.append(Chunk(seq, seq.num_computed, n))
+            chunks.append(prefill_chunk(seq, n))
             budget -= n
         return chunks
 
     def _reuses_cache(self, seq: Sequence) -> bool:
-        return self.pool.enable_caching and not covers_every_prompt_row(seq)
+        # NOTE: prompt logprobs need every prompt position's logits: none may come from the cache
+        return (self.pool.enable_caching and not covers_every_prompt_row(seq)
+                and seq.sampling.prompt_logprobs is None)
 
     def _usable_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of the blocks seq may take from the cache. NOTE: the last token is always

@@ -74,6 +74,10 @@ class Sequence:
         # NOTE: per generated token when asked for (TokenLogprob), and their running sums
         self.logprobs: list | None = [] if sampling.logprobs is not None else None
         self.logprob_sums: list[float] = []
+        # NOTE: prompt logprobs (completion 0 only): per prompt token recorded so far, first None
+        self.prompt_logprobs: list | None = (
+            [None] if sampling.prompt_logprobs is not None and self.index == 0 else None)
+        self.prompt_logprobs_sent = False
         # NOTE: text length (in self.stop.text) after each generated token not yet published,
         # so a delta's text is the text of the delta's own tokens.
         self.text_marks: deque[int] = deque()
@@ -93,6 +97,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def ends_at(self, num_tokens: int) -> bool:
         """With num_tokens tokens (prompt included) it has reached max_tokens or max_model_len."""

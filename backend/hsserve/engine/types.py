@@ -12,7 +12,7 @@ from hsserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from hsserve.engine.step_rows import RowPlan, StepRows
-    from hsserve.engine.logprobs import StepLogprobs
+    from hsserve.engine.logprobs import PromptLogprobs, StepLogprobs
 
 
 @dataclass(slots=True)
@@ -30,6 +30,9 @@ class Chunk:
     # NOTE: speculative decoding: proposed tokens after the sequence's last, verified this step
     # (num_tokens counts them; each of the chunk's rows samples a target token)
     draft: tuple[int, ...] = ()
+    # NOTE: prompt logprobs: (lo, hi, k): positions lo..hi-1, whose logits give prompt tokens
+    # lo+1..hi theirs, with k alternatives
+    prompt_span: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -68,3 +71,4 @@ class Launched:
     plan: RowPlan | None  # which rows of which chunk they are
     done: torch.cuda.Event | None  # recorded after the copies (CUDA)
     logprobs: StepLogprobs | None = None  # host copies, for the rows that asked
+    prompt: list[PromptLogprobs] | None = None  # prompt logprobs of the chunks with a span
