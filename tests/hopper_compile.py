@@ -123,12 +123,23 @@ def gemm(quant, m):
     quantize_rows(x, sc.input)
 
 
+def swapped_gemm(splits):
+    import hsserve.kernels.fp8 as fp8
+
+    default, fp8.swap_config = fp8.swap_config, lambda *_a: (128, 16, 128, splits, 4, 3)
+    try:
+        gemm("weights", 16)
+    finally:
+        fp8.swap_config = default
+
+
 QUANTS = (None, "weights", "token", "static")
 VARIANTS = {
     **{f"gemvs quant={q} pdl={p}": (gemvs, q, p) for q in QUANTS for p in (False, True)},
     **{f"fused qkv quant={q} qk_norm={n}": (fused_qkv, q, n) for q in QUANTS for n in (False, True)},
     **{f"fp8 gemm quant={q} rows={m}": (gemm, q, m)
        for q in QUANTS[1:] for m in (4, 40, 300, 600)},  # NOTE: 600: the widened weight's kernel
+    **{f"fp8 swapped gemm splits={s}": (swapped_gemm, s) for s in (1, 2)},
 }
 
 

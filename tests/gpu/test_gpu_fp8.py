@@ -37,6 +37,16 @@ def test_fp8_gemm_on_cuda(m, n, k, quantize_inputs, static):
     check_fp8_gemm("cuda", torch.bfloat16, m, n, k, quantize_inputs, static)
 
 
+@pytest.mark.parametrize("cfg", [(128, 64, 64, 1, 4, 3), (256, 16, 128, 4, 8, 3),
+                                 (64, 64, 128, 3, 4, 4)])
+@pytest.mark.parametrize("m, n, k", [(16, 4096, 4096), (64, 4096, 14336), (40, 1000, 576)])
+def test_fp8_swapped_gemm_on_cuda(m, n, k, cfg, monkeypatch):
+    import hsserve.kernels.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "swap_config", lambda *_a: cfg)
+    check_fp8_gemm("cuda", torch.bfloat16, m, n, k, False, False)
+
+
 @pytest.mark.parametrize("quantize_inputs, static", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (28672, 8192), (8192, 14336), (1000, 576)])

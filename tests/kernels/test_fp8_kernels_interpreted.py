@@ -29,6 +29,15 @@ def test_fp8_gemm_matches_float64(m, n, k, quantize_inputs, static):
     check_fp8_gemm("cpu", torch.float32, m, n, k, quantize_inputs, static, on_grid=True)
 
 
+@pytest.mark.parametrize("cfg", [(32, 16, 32, 1, 4, 3), (64, 32, 64, 3, 4, 3)])
+@pytest.mark.parametrize("m, n, k", [(3, 70, 200), (40, 64, 96)])
+def test_fp8_swapped_gemm_matches_float64(m, n, k, cfg, monkeypatch):
+    import hsserve.kernels.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "swap_config", lambda *_a: cfg)  # NOTE: K split 1 and 3 ways
+    check_fp8_gemm("cpu", torch.float32, m, n, k, False, False, on_grid=True)
+
+
 @pytest.mark.parametrize("quantize_inputs, static", SCHEMES)
 def test_fp8_gemv_matches_float64(quantize_inputs, static):
     check_fp8_gemv("cpu", torch.float32, 96, 200, quantize_inputs, static, on_grid=True)

@@ -141,6 +141,87 @@ def gemm_config(m: int, n: int, k: int, x_fp8: bool) -> tuple[int, int, int, int
     return 128, 128, 64, 8, 3
 
 
+@triton.jit
+def _fp8_gemm_swap_kernel(X, W, Y, WS, B, M, N, K, K_SPLIT, stride_x, stride_y,
+                          BLOCK_W: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, ADD: tl.constexpr, PARTIAL: tl.constexpr):
+    # NOTE: Y^T = W X^T: a wide W tile widened in registers as the MMA's first operand, so each
+    # of x's rows is read once per BLOCK_W weight rows, not per BLOCK_N; a K split (PARTIAL:
+    # float32 partials, summed by _sum_splits_kernel) gives a narrow N enough programs
+    pid_w, pid_x, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rw = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    rx = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+    rk = tl.arange(0, BLOCK_K)
+    k0 = split * K_SPLIT
+    k_len = tl.minimum(K_SPLIT, K - k0)
+    w_ptr = W + rw[:, None].to(tl.int64) * K + k0 + rk[None, :]
+    x_ptr = X + rx[None, :].to(tl.int64) * stride_x + k0 + rk[:, None]
+    acc = tl.zeros((BLOCK_W, BLOCK_X), dtype=tl.float32)
+    for k in range(0, tl.cdiv(k_len, BLOCK_K)):
+        kmask = rk < k_len - k * BLOCK_K
+        w = tl.load(w_ptr, mask=(rw[:, None] < N) & kmask[None, :], other=0.0)
+        x = tl.load(x_ptr, mask=(rx[None, :] < M) & kmask[:, None], other=0.0)
+        acc = tl.dot(w.to(x.dtype), x, acc)
+        w_ptr += BLOCK_K
+        x_ptr += BLOCK_K
+    acc = acc * tl.load(WS + rw, mask=rw < N, other=0.0)[:, None]
+    ymask = (rw[:, None] < N) & (rx[None, :] < M)
+    if PARTIAL:
+        p_ptr = Y + split.to(tl.int64) * M * N + rx[None, :].to(tl.int64) * N + rw[:, None]
+        tl.store(p_ptr, acc, mask=ymask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(B + rw, mask=rw < N, other=0.0).to(tl.float32)[:, None]
+        y_ptr = Y + rx[None, :].to(tl.int64) * stride_y + rw[:, None]
+        if ADD:
+            acc += tl.load(y_ptr, mask=ymask, other=0.0).to(tl.float32)
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
+def _sum_splits_kernel(P, Y, B, M, N, SPLITS, stride_y, HAS_BIAS: tl.constexpr,
+                       ADD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLITS):  # NOTE: a fixed order: the same sum on every run
+        acc += tl.load(P + (s * M + row).to(tl.int64) * N + rn, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=mask, other=0.0).to(tl.float32)
+    y_ptr = Y + row.to(tl.int64) * stride_y + rn
+    if ADD:
+        acc += tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+def swap_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int] | None:
+    """(BLOCK_W, BLOCK_X, BLOCK_K, splits, warps, stages) of the swapped GEMM (weights only), or
+    None for _fp8_gemm_kernel (bench/README.md#fp8-gemm-configs)."""
+    return None
+
+
+def _swap_gemm(x, w8, scales, bias, into, cfg) -> torch.Tensor:
+    m, k = x.shape
+    n = w8.shape[0]
+    bw, bx, bk, splits, warps, stages = cfg
+    k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    splits = triton.cdiv(k, k_split)
+    y = into if into is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else scales.weight
+    grid = (triton.cdiv(n, bw), triton.cdiv(m, bx), splits)
+    _fp8_gemm_swap_kernel[grid](x, w8, out, scales.weight, b, m, n, k, k_split, x.stride(0),
+                                y.stride(0), BLOCK_W=bw, BLOCK_X=bx, BLOCK_K=bk,
+                                HAS_BIAS=bias is not None, ADD=into is not None,
+                                PARTIAL=splits > 1, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, b, m, n, splits, y.stride(0),
+                                                      HAS_BIAS=bias is not None,
+                                                      ADD=into is not None, BLOCK=1024)
+    return y
+
+
 DEQUANT_ROWS = 512  # NOTE: from here (not in a graph) W widened once + cuBLAS wins (bench/README.md#fp8-gemm-configs)
 
 
@@ -175,6 +256,9 @@ def fp8_gemm(x: torch.Tensor, w8: torch.Tensor, scales: Fp8Scales,
             and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
         y = F.linear(x, dequantize_weight(w8, scales.weight, x.dtype), bias)
         return y if into is None else into.add_(y)
+    cfg = None if scales.quantize_inputs else swap_config(m, n, k)
+    if cfg is not None:
+        return _swap_gemm(x, w8, scales, bias, into, cfg)
     y = into if into is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     xs = scales.weight  # NOTE: a placeholder pointer where x is not quantized
     if scales.quantize_inputs:
