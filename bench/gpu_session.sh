@@ -3,7 +3,7 @@
 # bench/device_bundle.sh): the GPU tests, the tritonserver stream benchmark with the stub sampled
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
-# PART: tests fp8_tests fp8_gemm fp8_8b fp8_70b triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
+# PART: tests spec_tests fp8_tests fp8_gemm fp8_8b fp8_70b triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
 # profile1 host logprobs extract8b extract_spy moe moe_kernels moe_profile ablation tp_tests tp8b tp70b
 # two_instances route64 (batch 64 routed by torch vs route_align) none. The one-off A/B scripts'
 # parts went with them (bench/archive/, last at e9f3215).
@@ -21,6 +21,8 @@ for part in $parts; do
   case $part in
     tests) timeout 560 python3 -m pytest -m gpu tests/gpu -n "${WORKERS:-6}" -q -p no:cacheprovider \
              2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -25 ;;  # NOTE: pytest's summary line last
+    spec_tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_gpu_speculative.py -q \
+                  -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -12 ;;
     fp8_tests) timeout 300 python3 -m pytest -m gpu tests/gpu/test_gpu_fp8.py -n 6 -q \
                  -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -12 ;;
     fp8_8b) timeout 560 python3 bench/gpu_decode.py --shapes llama-8b --batches-8b 1 64 --repeats 3 \

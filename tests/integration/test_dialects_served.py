@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from triton_helpers import stream_once
+from triton_helpers import stream_once, unary_grpc
 
 PROMPT = "The capital of France is"
 
@@ -84,7 +84,6 @@ def test_hidden_layers_without_mode_is_an_error_naming_mode(triton_server):
 
 
 def test_llm_sync_echoes_as_llm_does(triton_server):
-    from triton_helpers import unary_grpc
     js = {"temperature": "0", "max_tokens": "4", "ignore_eos": "true"}
     out = unary_grpc(triton_server.grpc_url, vllm(js, exclude_input_in_output=False))
     assert out["text_output"].reshape(-1)[0].decode().startswith(PROMPT)
@@ -116,3 +115,38 @@ def test_logprobs_served(triton_server, smollm_engine):
     total = sum(e[str(t)]["logprob"] for t, e in zip(tokens, per_token))
     assert abs(float(v.responses[-1]["cumulative_logprob"][0]) - total) < 1e-3
     assert all(x["cumulative_logprob"] is not None for x in v.responses)
+
+
+def test_prompt_logprobs_served(triton_server, smollm_dir, hf_model):
+    """prompt_logprobs (an input, or sampling_parameters, string numbers too) answered once:
+    prompt_token_logprobs NaN first, then transformers' log_softmax within 1e-4; k alternatives;
+    llm_sync gives the same; a bad value is refused naming the input."""
+    import numpy as np
+    import torch
+
+    hf = hf_model(smollm_dir)
+    url = triton_server.grpc_url
+    r = stream_once(url, {"text_input": PROMPT, "max_tokens": 3, "temperature": 0.0,
+                          "prompt_logprobs": 2, "stream": True})
+    assert r.error is None, r.error
+    assert sum(x.get("prompt_token_logprobs") is not None for x in r.responses) == 1
+    got, ids = r.cat("prompt_token_logprobs"), r.cat("prompt_top_logprob_ids")
+    prompt = hf_prompt_ids(smollm_dir)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    want = ref[torch.arange(len(prompt) - 1), prompt[1:]].numpy()
+    assert len(got) == len(prompt) and np.isnan(got[0])
+    assert np.abs(got[1:] - want).max() <= 1e-4
+    assert ids.shape == (len(prompt), 2) and ids[0].tolist() == [-1, -1]
+    assert np.abs(r.cat("prompt_top_logprobs")[1:] - ref.topk(2).values.numpy()).max() <= 1e-4
+    js = {"temperature": "0", "max_tokens": "2", "prompt_logprobs": "0"}
+    out = unary_grpc(url, vllm(js))
+    assert np.allclose(out["prompt_token_logprobs"], got, equal_nan=True, atol=1e-5)
+    bad = stream_once(url, {"text_input": PROMPT, "max_tokens": 2, "prompt_logprobs": 99})
+    assert bad.error is not None and "prompt_logprobs" in str(bad.error)
+
+
+def hf_prompt_ids(folder: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)(PROMPT)["input_ids"]

@@ -27,7 +27,7 @@ TYPES = {
     "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_,
     "min_length": np.int32, "stop_words": np.object_, "random_seed": np.uint64,
     "end_id": np.int32, "pad_id": np.int32, "bad_words": np.object_, "beam_width": np.int32,
-    "num_logprobs": np.int32,
+    "num_logprobs": np.int32, "prompt_logprobs": np.int32,
 }
 LIST_INPUTS = {"input_ids", "stop", "stop_token_ids", "hidden_layers", "stop_words", "bad_words"}
 
@@ -71,7 +71,8 @@ class Streamed:
 
 OUTPUT_NAMES = ("text_output", "output_ids", "HIDDEN_STATES", "finish_reason", "num_input_tokens",
                 "num_output_tokens", "sequence_index", "output_logprobs", "top_logprob_ids",
-                "top_logprobs", "cumulative_logprob", "logprobs")
+                "top_logprobs", "cumulative_logprob", "logprobs", "prompt_token_logprobs",
+                "prompt_top_logprob_ids", "prompt_top_logprobs")
 CLASSIFIER_OUTPUTS = ("text_output", "output_ids", "PROBABILITIES", "LABEL")
 
 

@@ -25,7 +25,9 @@ NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4)
 
 @pytest.fixture(scope="module")
 def spec_engine(smollm_dir):
-    engine = Engine(EngineConfig(model=smollm_dir, device="cpu", max_num_seqs=8, **NGRAM)).start()
+    # NOTE: async scheduling on, as on CUDA: drafts still come (schedule_ahead steps aside)
+    engine = Engine(EngineConfig(model=smollm_dir, device="cpu", max_num_seqs=8,
+                                 async_scheduling="on", **NGRAM)).start()
     yield engine
     engine.shutdown()
 

@@ -69,7 +69,8 @@ def test_a_request_naming_no_outputs_gets_them_all():
     first, last = responses([], deltas())
     assert set(first[0]) == {"text_output", "output_ids", "sequence_index", "HIDDEN_STATES"}
     logprob_outputs = {"output_logprobs", "top_logprob_ids", "top_logprobs", "cumulative_logprob",
-                       "logprobs"}  # NOTE: only for requests that ask for logprobs
+                       "logprobs", "prompt_token_logprobs", "prompt_top_logprob_ids",
+                       "prompt_top_logprobs"}  # NOTE: only for requests that ask for logprobs
     assert set(last[0]) == set(OUTPUTS) - logprob_outputs
     assert last[1] == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert last[0]["text_output"].tolist() == [b"!"] and last[0]["num_output_tokens"] == [3]
@@ -106,3 +107,22 @@ def test_logprob_outputs_and_vllm_backend_json():
     assert set(js[1]) == {"6", "8", "4"} and js[1]["6"]["rank"] == 3
     plain = {t.name for t in r.for_delta(d, frozenset(OUTPUTS)).outputs}
     assert "logprobs" not in plain and "cumulative_logprob" not in plain, "vllm's only on its flags"
+
+
+def test_prompt_logprob_outputs_once_with_nan_first():
+    from hsserve.request import TokenLogprob
+
+    entries = [None, TokenLogprob(-1.0, 2, [3, 4], [-0.5, -1.0]),
+               TokenLogprob(-0.1, 1, [7, 2], [-0.1, -3.0])]
+    d = Delta("a", [5], "x", prompt_logprobs=entries)
+    out = {t.name: t.value for t in Responses(FakePb).for_delta(d, frozenset(OUTPUTS)).outputs}
+    lp = out["prompt_token_logprobs"]
+    assert lp.dtype == np.float32 and np.isnan(lp[0]) and lp[1:].tolist() == [-1.0, np.float32(-0.1)]
+    assert out["prompt_top_logprob_ids"].tolist() == [[-1, -1], [3, 4], [7, 2]]
+    assert np.isnan(out["prompt_top_logprobs"][0]).all()
+    k0 = Delta("a", [5], "x", prompt_logprobs=[None, TokenLogprob(-1.0, 2, [], [])])
+    names = {t.name for t in Responses(FakePb).for_delta(k0, frozenset(OUTPUTS)).outputs}
+    assert "prompt_token_logprobs" in names and "prompt_top_logprob_ids" not in names
+    later = {t.name for t in Responses(FakePb).for_delta(Delta("a", [6], "y"),
+                                                         frozenset(OUTPUTS)).outputs}
+    assert "prompt_token_logprobs" not in later

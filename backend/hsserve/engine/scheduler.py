@@ -71,7 +71,10 @@ class Scheduler:
     def schedule_ahead(self, prev: list[Chunk], sampled: list[bool]) -> list[Chunk] | None:
         """The decode step after `prev` for the sequences it sampled, queued before prev is read
         (their input tokens are prev's samples, on the device); None when the scheduler must see
-        prev's tokens first (a prompt in progress, prompts to admit, the pool dry)."""
+        prev's tokens first (a prompt in progress, prompts to admit, the pool dry, drafts to
+        propose: they follow prev's tokens)."""
+        if self.proposer is not None:
+            return None
         if not all(f or (c.ahead and c.last_input) for c, f in zip(prev, sampled)):
             return None
         if self.admit_now():

@@ -197,8 +197,11 @@ def _sum_splits_kernel(P, Y, B, M, N, SPLITS, stride_y, HAS_BIAS: tl.constexpr,
 
 def swap_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int] | None:
     """(BLOCK_W, BLOCK_X, BLOCK_K, splits, warps, stages) of the swapped GEMM (weights only), or
-    None for _fp8_gemm_kernel (bench/README.md#fp8-gemm-configs)."""
-    return None
+    None for _fp8_gemm_kernel (bench/README.md#fp8-gemm-configs): from 17 to 64 rows, where x
+    re-read per narrow weight tile bounds the plain kernel; K split in two for deep weights."""
+    if not 16 < m <= 64:
+        return None
+    return 64, 64 if m > 32 else 32, 128, 2 if k >= 3 * n else 1, 4, 3
 
 
 def _swap_gemm(x, w8, scales, bias, into, cfg) -> torch.Tensor:

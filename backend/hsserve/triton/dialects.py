@@ -26,7 +26,7 @@ RETURNS = {
 }
 _NUMBER_KINDS = {
     "max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "n": int, "num_logprobs": int,
-    "stream_interval": int,
+    "prompt_logprobs": int, "stream_interval": int,
     "temperature": float, "top_p": float, "ignore_eos": bool, "stream": bool,
     "exclude_input_in_output": bool, **dict.fromkeys(RETURNS, bool),
 }

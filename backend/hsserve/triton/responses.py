@@ -48,6 +48,8 @@ class Responses:
             tensors.append(self._dlpack("HIDDEN_STATES", delta.hidden))
         if delta.logprobs is not None:
             tensors += self._logprobs(delta, outputs, returns)
+        if delta.prompt_logprobs is not None:
+            tensors += self._prompt_logprobs(delta.prompt_logprobs, outputs)
         final = delta.finished
         if "finish_reason" in outputs and (final or "finish_reason" in returns):
             reason = delta.finish_reason.value if final else "None"
@@ -79,6 +81,22 @@ class Responses:
                                       np.asarray([delta.cumulative_logprob], dtype=np.float32)))
         if "logprobs" in returns and "logprobs" in outputs:
             out.append(self._strings("logprobs", [json.dumps(self._vllm_json(delta))]))
+        return out
+
+    def _prompt_logprobs(self, entries: list, outputs: frozenset) -> list:
+        """prompt_token_logprobs [prompt tokens] (NaN for the first: nothing precedes it),
+        prompt_top_logprob_ids / prompt_top_logprobs [prompt tokens, k] (k > 0; -1 / NaN first)."""
+        k = len(entries[-1].top_ids) if len(entries) > 1 else 0
+        nan, out = float("nan"), []
+        if "prompt_token_logprobs" in outputs:
+            values = [nan if e is None else e.logprob for e in entries]
+            out.append(self.pb.Tensor("prompt_token_logprobs", np.asarray(values, np.float32)))
+        if k and "prompt_top_logprob_ids" in outputs:
+            ids = [[-1] * k if e is None else e.top_ids for e in entries]
+            out.append(self.pb.Tensor("prompt_top_logprob_ids", np.asarray(ids, np.int32)))
+        if k and "prompt_top_logprobs" in outputs:
+            values = [[nan] * k if e is None else e.top_logprobs for e in entries]
+            out.append(self.pb.Tensor("prompt_top_logprobs", np.asarray(values, np.float32)))
         return out
 
     def _vllm_json(self, delta: Delta) -> list[dict]:

@@ -21,13 +21,14 @@ from hsserve.triton.values import (as_bool, as_float, as_int, as_int_list, as_st
 INPUTS = (
     "text_input", "input_ids", "stream", "max_tokens", "min_tokens", "temperature", "top_p",
     "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "sampling_parameters", "MODE",
-    "hidden_layers", "exclude_input_in_output", "num_logprobs", *dialects.RETURNS,
+    "hidden_layers", "exclude_input_in_output", "num_logprobs", "prompt_logprobs", *dialects.RETURNS,
     *dialects.TRTLLM_INPUTS,
 )
 OUTPUTS = (
     "text_output", "output_ids", "HIDDEN_STATES", "finish_reason", "num_input_tokens",
     "num_output_tokens", "sequence_index", "output_logprobs", "top_logprob_ids", "top_logprobs",
-    "cumulative_logprob", "logprobs",
+    "cumulative_logprob", "logprobs", "prompt_token_logprobs", "prompt_top_logprob_ids",
+    "prompt_top_logprobs",
 )
 
 _INT32 = 2**31 - 1
@@ -48,6 +49,7 @@ _SETTINGS: dict[str, Callable[[str, Any], Any]] = {
     "stream": as_bool,
     "exclude_input_in_output": as_bool,
     "num_logprobs": lambda n, v: as_int(n, v, 0, _INT32),
+    "prompt_logprobs": lambda n, v: as_int(n, v, 0, _INT32),
     "stream_interval": lambda n, v: as_int(n, v, 1, _INT32),
     **dict.fromkeys(dialects.RETURNS, as_bool),
 }
@@ -55,7 +57,7 @@ _ALIASES = {"logprobs": "num_logprobs"}  # NOTE: vllm_backend's JSON name for th
 _SCALAR_INPUTS = {
     "stream", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
     "n", "MODE", "text_input", "sampling_parameters", "exclude_input_in_output", "min_length",
-    "random_seed", "num_logprobs", *dialects.RETURNS,
+    "random_seed", "num_logprobs", "prompt_logprobs", *dialects.RETURNS,
 }
 
 
@@ -157,6 +159,7 @@ def parse_request(
         ignore_eos=values.get("ignore_eos", False),
         n=values.get("n", 1),
         logprobs=logprobs,
+        prompt_logprobs=values.get("prompt_logprobs"),
     )
     stream = values.get("stream", False)
     exclude = values.get("exclude_input_in_output", exclude_input_default)
