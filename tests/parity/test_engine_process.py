@@ -125,7 +125,7 @@ def test_queue_limit_duplicate_ids_and_abort(child):
         FinishReason.STOP, FinishReason.LENGTH)
 
 
-def test_rows_cross_in_their_dtype():
+def test_rows_and_logprobs_cross_the_pipe():
     import torch
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -137,6 +137,13 @@ def test_rows_cross_in_their_dtype():
                 back.num_output_tokens, back.sequence_index, back.request_done) == (
                     [1, 2], "ab", FinishReason.STOP, 4, 2, 1, True)
     assert delta_from_wire(delta_to_wire(Delta("r", [], ""))).hidden is None
+    from hsserve.request import TokenLogprob
+
+    entries = [None, TokenLogprob(-1.5, 2, [3], [-0.5])]
+    back = delta_from_wire(delta_to_wire(Delta("r", [1], "a", prompt_logprobs=entries,
+                                               logprobs=entries[1:], cumulative_logprob=-1.5)))
+    assert back.prompt_logprobs == entries and back.logprobs == entries[1:]
+    assert back.cumulative_logprob == -1.5
 
 
 def test_a_killed_child_ends_what_was_in_flight(tiny_model_dir):

@@ -102,20 +102,24 @@ def delta_to_wire(d: Delta) -> tuple:
         hidden = (str(h.dtype).removeprefix("torch."), tuple(h.shape), raw)
     reason = d.finish_reason.value if d.finish_reason is not None else None
     logprobs = [tuple(e) for e in d.logprobs] if d.logprobs is not None else None
+    prompt = None if d.prompt_logprobs is None else [
+        None if e is None else tuple(e) for e in d.prompt_logprobs]
     return (d.request_id, d.token_ids, d.text, hidden, reason, d.num_input_tokens,
             d.num_output_tokens, d.error, d.sequence_index, d.request_done, logprobs,
-            d.cumulative_logprob)
+            d.cumulative_logprob, prompt)
 
 
 def delta_from_wire(w: tuple) -> Delta:
-    rid, tokens, text, hidden, reason, n_in, n_out, error, index, done, logprobs, cum = w
+    rid, tokens, text, hidden, reason, n_in, n_out, error, index, done, logprobs, cum, prompt = w
     if hidden is not None:
         dtype, shape, raw = hidden
         hidden = torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
     if logprobs is not None:
         logprobs = [TokenLogprob(*e) for e in logprobs]
+    if prompt is not None:
+        prompt = [None if e is None else TokenLogprob(*e) for e in prompt]
     return Delta(rid, tokens, text, hidden, FinishReason(reason) if reason is not None else None,
-                 n_in, n_out, error, index, done, logprobs, cum)
+                 n_in, n_out, error, index, done, logprobs, cum, prompt)
 
 
 def error_delta(request_id: str, message: str) -> Delta:
