@@ -44,10 +44,12 @@ class RankLost(RuntimeError):
 @dataclass(frozen=True)
 class StepOrder:
     """What the other ranks need of a step rank 0 launches: per chunk (start, num_tokens, ahead,
-    input tokens or None when ahead, block table, draft length, prompt span), the rows' sources, which chunks sample, and
-    whether a decode graph keeps rows (the graph with rows is replayed on every rank)."""
+    input tokens or None when ahead, block table, draft length, prompt span), the rows' sources,
+    which chunks sample, and whether a decode graph keeps rows (the graph with rows is replayed
+    on every rank)."""
 
-    chunks: list[tuple]
+    chunks: list[tuple[int, int, bool, list[int] | None, list[int], int,
+                       tuple[int, int, int] | None]]
     sources: list[int]
     sampled: list[bool]
     with_rows: bool

@@ -101,7 +101,8 @@ class Sequence:
     @property
     def awaits_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked for and some are still to be computed."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        entries = self.prompt_logprobs
+        return entries is not None and len(entries) < self.num_prompt_tokens
 
     def ends_at(self, num_tokens: int) -> bool:
         """With num_tokens tokens (prompt included) it has reached max_tokens or max_model_len."""

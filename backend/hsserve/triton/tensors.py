@@ -21,8 +21,8 @@ from hsserve.triton.values import (as_bool, as_float, as_int, as_int_list, as_st
 INPUTS = (
     "text_input", "input_ids", "stream", "max_tokens", "min_tokens", "temperature", "top_p",
     "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "sampling_parameters", "MODE",
-    "hidden_layers", "exclude_input_in_output", "num_logprobs", "prompt_logprobs", *dialects.RETURNS,
-    *dialects.TRTLLM_INPUTS,
+    "hidden_layers", "exclude_input_in_output", "num_logprobs", "prompt_logprobs",
+    *dialects.RETURNS, *dialects.TRTLLM_INPUTS,
 )
 OUTPUTS = (
     "text_output", "output_ids", "HIDDEN_STATES", "finish_reason", "num_input_tokens",
