@@ -13,7 +13,7 @@ without the start, and without the end where MODE=last takes one more step for t
                                [--out FILE]
 
 --quantization fp8: every linear in float8 (per-channel scales), embeddings, norms and lm_head
-bf16; the roofline counts those bytes. Several formats: each shape in each (a shape whose weights
+bf16 (fp8_dynamic: their inputs rounded to float8 per token too, FP8 tensor cores); the roofline counts those bytes. Several formats: each shape in each (a shape whose weights
 do not fit the GPU is skipped), fp8_over_bf16_tok_s_* their ratio. Each row reports kv_tokens, the cache's room. --prefill:
 also prefill throughput, PREFILL_BATCH prompts of PREFILL_LEN tokens (one output token each).
 
@@ -224,7 +224,7 @@ def batch_row(args, folder: str, shape: str, batch: int, quant: str, bw: float, 
             modes.append(HiddenStatesMode.LAST)
         best = best_of(engine, batch, args.repeats, modes)
         r = best[HiddenStatesMode.NONE]
-        lb = 1 if quant == "fp8" else 2
+        lb = 1 if quant.startswith("fp8") else 2
         # NOTE: spec is rank 0's shard under tensor parallelism: the whole model's bytes over
         # N GPUs' bandwidth
         whole = ModelSpec.from_folder(folder) if tp > 1 else engine.spec
@@ -267,7 +267,7 @@ def batch_row(args, folder: str, shape: str, batch: int, quant: str, bw: float, 
 def fits(folder: str, quant: str, tp: int) -> bool:
     """Whether the shape's weights take at most 95% of the GPU's memory (bf16 70B on one GPU
     does not)."""
-    lb = 1 if quant == "fp8" else 2
+    lb = 1 if quant.startswith("fp8") else 2
     return weight_bytes(ModelSpec.from_folder(folder), 1, lb) / tp < 0.95 * torch.cuda.mem_get_info()[1]
 
 
@@ -310,7 +310,8 @@ def main() -> None:
                     "logprobs with this many alternatives, against none")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (GPUs) per engine; the "
                     "roofline then reads the weights at that many times the copy bandwidth")
-    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
+    ap.add_argument("--quantization", nargs="+", default=["none"],
+                    choices=["none", "fp8", "fp8_dynamic"],
                     help="weight formats, each shape run in each (fp8 beside none: their ratio)")
     ap.add_argument("--prefill", action="store_true", help="also prefill tok/s per shape")
     ap.add_argument("--out", default="")
@@ -335,8 +336,8 @@ def main() -> None:
             rows += shape_rows(args, shape, quant, bw, keys)
     by = {(r["shape"], r["batch"], r["quantization"]): r["tok_s"] for r in rows}
     for (shape, batch, quant), tok_s in by.items():
-        if quant == "fp8" and (shape, batch, "none") in by:
-            keys[f"fp8_over_bf16_tok_s_bs{batch}_{shape.split('-')[1]}"] = round(
+        if quant != "none" and (shape, batch, "none") in by:
+            keys[f"{quant}_over_bf16_tok_s_bs{batch}_{shape.split('-')[1]}"] = round(
                 tok_s / by[shape, batch, "none"], 3)
     write_result(args.out, {"benchmark": "gpu_decode", "copy_bandwidth_tb_s": round(bw / 1e12, 3),
                             "prompt_len": PROMPT, "new_tokens": NEW, "dtype": "bfloat16",

@@ -3,7 +3,7 @@
 # bench/device_bundle.sh): the GPU tests, the tritonserver stream benchmark with the stub sampled
 # by py-spy, the decode benchmark. Results and logs land in $OUT. Set HSSERVE_COMMIT first.
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
-# PART: tests spec_tests fp8_tests fp8_gemm fp8_8b fp8_70b triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
+# PART: tests spec_tests fp8_tests fp8_gemm fp8_graph fp8_8b fp8_70b triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
 # profile1 host logprobs extract8b extract_spy moe moe_kernels moe_profile ablation tp_tests tp8b tp70b
 # two_instances route64 (batch 64 routed by torch vs route_align) none. The one-off A/B scripts'
 # parts went with them (bench/archive/, last at e9f3215).
@@ -26,12 +26,14 @@ for part in $parts; do
     fp8_tests) timeout 300 python3 -m pytest -m gpu tests/gpu/test_gpu_fp8.py -n 6 -q \
                  -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -12 ;;
     fp8_8b) timeout 560 python3 bench/gpu_decode.py --shapes llama-8b --batches-8b 1 64 --repeats 3 \
-              --no-hf --prefill --quantization none fp8 --out "$OUT/${FP8_OUT:-h200_decode_fp8}.json" \
+              --no-hf --prefill --quantization ${QUANTS:-none fp8} --out "$OUT/${FP8_OUT:-h200_decode_fp8}.json" \
               2>&1 | grep "^{\|Error\|skipped" ;;
     fp8_gemm) timeout 200 python3 bench/fp8_gemm.py --out "$OUT/${FP8_GEMM_OUT:-h200_fp8_gemm}.json" 2>&1 \
                 | grep -v Warning | tail -30 ;;
+    fp8_graph) timeout 300 python3 bench/fp8_graph.py --rows ${FP8_ROWS:-16 64} \
+                 --out "$OUT/${FP8_GRAPH_OUT:-h200_fp8_graph}.json" 2>&1 | grep -v Warning | tail -40 ;;
     fp8_70b) timeout 560 python3 bench/gpu_decode.py --shapes llama-70b --batches-8b 1 64 --repeats 2 \
-               --no-hf --quantization fp8 --out "$OUT/${FP8_OUT:-h200_decode_fp8}_70b.json" \
+               --no-hf --quantization ${QUANTS70:-fp8} --out "$OUT/${FP8_OUT:-h200_decode_fp8}_70b.json" \
                2>&1 | grep "^{\|Error\|skipped" ;;
     triton) [ "${SPY:-1}" = 1 ] && (bash bench/spy_stub.sh 4 > "$OUT/spy.out" 2>&1 &)
             timeout 280 python3 bench/triton_stream_vs_direct.py --shape llama-1b --concurrency 64 \

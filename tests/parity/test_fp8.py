@@ -104,6 +104,15 @@ def test_quantization_fp8_at_load_equals_a_float8_checkpoint(tiny_model_dir, fp8
                                 _hf(fp8_dir("qwen3", "channel", None)))
 
 
+def test_quantization_fp8_dynamic_at_load_equals_a_float8_dynamic_checkpoint(tiny_model_dir,
+                                                                            fp8_dir):
+    """`quantization: fp8_dynamic`: the weights as fp8, and each token's inputs rounded to float8
+    by its amax, as an *-FP8-dynamic checkpoint: transformers on that checkpoint."""
+    _assert_equals_transformers(EngineConfig(model=tiny_model_dir("llama"), device="cpu",
+                                             block_size=4, quantization="fp8_dynamic"),
+                                _hf(fp8_dir("llama", "channel", "token")))
+
+
 def test_two_tensor_parallel_ranks_load_their_fp8_slices(fp8_dir):
     folder = fp8_dir("llama", "channel", "token")
     _assert_equals_transformers(EngineConfig(model=folder, device="cpu", block_size=4,
@@ -150,3 +159,5 @@ def test_schemes_we_cannot_compute_are_refused_by_field(fp8_dir, tmp_path, over,
 def test_the_quantization_parameter_is_validated():
     with pytest.raises(ConfigError, match="quantization"):
         EngineConfig.from_parameters({"quantization": "int8"})
+    assert EngineConfig.from_parameters({"quantization": "fp8_dynamic"}).quantization \
+        == "fp8_dynamic"

@@ -7,6 +7,9 @@ from typing import Any, Mapping
 
 from hsserve.request import HiddenStatesMode
 
+# NOTE: models/fp8.py AT_LOAD holds what each one means
+QUANTIZATIONS = ("none", "fp8", "fp8_dynamic")
+
 DEFAULT_MODEL = "default"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _TRUE = ("1", "true", "yes", "on")
@@ -22,8 +25,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     load_format: str = "auto"  # auto: the folder's safetensors; dummy: random weights (benchmarks)
-    # NOTE: fp8: a bf16 / float32 checkpoint's linears quantized at load (models/fp8.py); a
-    # float8 checkpoint (its quantization_config) loads as it is either way
+    # NOTE: fp8 / fp8_dynamic: a bf16 / float32 checkpoint's linears quantized at load
+    # (models/fp8.py; fp8_dynamic rounds their inputs per token too); a float8 checkpoint (its quantization_config) loads as it is either way
     quantization: str = "none"
     device: str = "auto"  # auto = cuda when available, else cpu
     hidden_states_ceiling: HiddenStatesMode = HiddenStatesMode.FULL
@@ -68,8 +71,9 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} not in {_DTYPES}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format: {self.load_format!r}; allowed: auto, dummy")
-        if self.quantization not in ("none", "fp8"):
-            raise ConfigError(f"quantization: {self.quantization!r}; allowed: none, fp8")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization: {self.quantization!r}; allowed: "
+                              + ", ".join(QUANTIZATIONS))
         if self.hidden_dtype not in _DTYPES[1:]:
             raise ConfigError(f"hidden_dtype: {self.hidden_dtype!r} not in {_DTYPES[1:]}")
         if self.async_scheduling not in ("auto", "on", "off"):

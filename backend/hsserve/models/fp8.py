@@ -37,7 +37,11 @@ class Fp8Scheme:
                    for t in self.ignore)
 
 
-AT_LOAD = Fp8Scheme(weights="channel", activations=None, in_checkpoint=False)
+# NOTE: `quantization` at load: fp8 weights only; fp8_dynamic also rounds each token's inputs
+# (FP8 tensor cores), the arithmetic of the public *-FP8-dynamic checkpoints
+AT_LOAD = {"fp8": Fp8Scheme(weights="channel", activations=None, in_checkpoint=False),
+           "fp8_dynamic": Fp8Scheme(weights="channel", activations="token", in_checkpoint=False)}
+QUANTIZATIONS = ("none", *AT_LOAD)
 
 
 def _refuse(path: str, value: Any, allowed: str) -> ValueError:
@@ -95,13 +99,13 @@ def parse_scheme(cfg: dict[str, Any] | None) -> Fp8Scheme | None:
 
 
 def scheme_for(folder: str, quantization: str) -> Fp8Scheme | None:
-    """The folder's float8 scheme (its config.json's quantization_config), else AT_LOAD where
-    `quantization` is "fp8", else None (bf16 / float32 weights)."""
+    """The folder's float8 scheme (its config.json's quantization_config), else AT_LOAD's for
+    `quantization`, else None (bf16 / float32 weights)."""
     with open(os.path.join(folder, "config.json")) as f:
         scheme = parse_scheme(json.load(f).get(_FIELD))
-    if quantization not in ("none", "fp8"):
-        raise ValueError(f"quantization: {quantization!r}; allowed: none, fp8")
-    return scheme or (AT_LOAD if quantization == "fp8" else None)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
+    return scheme or AT_LOAD.get(quantization)
 
 
 def row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:

@@ -219,9 +219,10 @@ def _fill(target: torch.Tensor, whole: torch.Tensor) -> None:
         target.data.copy_(whole.view(target.shape))
 
 
-def random_weights(model: Decoder, seed: int = 0, std: float = 0.02) -> None:
+def random_weights(model: Decoder, seed: int = 0, std: float = 0.02,
+                   quantize_inputs: bool = False) -> None:
     """Random weights in the model's real shapes (benchmarks: speed does not depend on values);
-    float8 linears quantized from them."""
+    float8 linears quantized from them (and their inputs per token where asked)."""
     gen = torch.Generator(device=model.embed.device).manual_seed(seed)
     for m in model.modules():
         if isinstance(m, Linear) and m.weight_scale is not None:
@@ -229,6 +230,7 @@ def random_weights(model: Decoder, seed: int = 0, std: float = 0.02) -> None:
             w8, scale = quantize(w.normal_(0.0, std, generator=gen))
             m.weight.data.copy_(w8)
             m.weight_scale.copy_(scale)
+            m.quantize_inputs = quantize_inputs
     for name, p in model.named_parameters():
         if p.dtype == FP8:
             continue
@@ -248,7 +250,7 @@ def load_model(folder: str, dtype_name: str, device: torch.device, load_format: 
     fp8 = scheme is not None and device.type == "cuda"  # NOTE: the CPU dequantizes at load
     model = build_decoder(spec, resolve_dtype(dtype_name, spec, device), device, parallel, fp8)
     if load_format == "dummy":
-        random_weights(model)
+        random_weights(model, quantize_inputs=scheme is not None and scheme.activations == "token")
     else:
         load_weights(model, folder, spec, scheme)
         if spec.gemma_norms:
