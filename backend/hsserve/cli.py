@@ -1,5 +1,6 @@
 """Command line: `hsserve prepare` (convert the default model, build the CPU kernels),
-`hsserve generate` (one prompt)."""
+`hsserve generate` (one prompt), `hsserve serve` (tritonserver), `hsserve openai` (the
+OpenAI-compatible gateway over it), `hsserve extract` (a dataset's hidden states)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,12 @@ def _serve(args) -> int:
         server.stop()
 
 
+def _openai(args) -> int:
+    from hsserve.gateway.main import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="hsserve")
@@ -112,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--triton-arg", action="append", default=[],
                    help="extra tritonserver flag, e.g. --triton-arg=--log-verbose=1")
     s.set_defaults(fn=_serve)
+    o = sub.add_parser("openai", help="an OpenAI-compatible API over a running tritonserver")
+    from hsserve.gateway.main import add_arguments as openai_arguments
+
+    openai_arguments(o)
+    o.set_defaults(fn=_openai)
     args = parser.parse_args(argv)
     return args.fn(args)
 

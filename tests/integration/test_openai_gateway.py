@@ -1,0 +1,93 @@
+"""Proves `hsserve openai` serves the OpenAI API over the real tritonserver to the official
+`openai` SDK: completions (echo + logprobs equal to the llm model's own prompt logprobs, hidden
+states as base64 float32 rows equal to llm's), streamed chat with usage, errors naming the field."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from hsserve.triton.server import free_ports
+from triton_helpers import stream_once
+
+
+@pytest.fixture(scope="module")
+def gateway(triton_server, smollm_dir):
+    port = free_ports(1)[0]
+    proc = subprocess.Popen([sys.executable, "-m", "hsserve.cli", "openai", "--port", str(port),
+                             "--host", "127.0.0.1", "--grpc-url", triton_server.grpc_url,
+                             "--tokenizer", smollm_dir, "--served-model-name", "smol"])
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, "the gateway did not start"
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _client(url):
+    import openai
+
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+def test_completion_echo_logprobs_and_rows_equal_llms(gateway, triton_server):
+    prompt = "The capital of France is"
+    r = _client(gateway).completions.create(
+        model="smol", prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True,
+        extra_body={"hidden_states": {"mode": "full", "layers": [-1]}})
+    choice = r.choices[0]
+    direct = stream_once(triton_server.grpc_url, {
+        "text_input": prompt, "max_tokens": 6, "temperature": 0.0, "MODE": "full",
+        "hidden_layers": [-1], "prompt_logprobs": 2, "num_logprobs": 2})
+    text = "".join(b"".join(x["text_output"]).decode() for x in direct.responses)
+    assert choice.text == prompt + text
+    prompt_lps = direct.responses[0]["prompt_token_logprobs"].tolist()
+    lps = choice.logprobs.token_logprobs
+    assert lps[0] is None and np.allclose(lps[1:len(prompt_lps)], prompt_lps[1:], atol=1e-5)
+    out = np.concatenate([x["output_logprobs"] for x in direct.responses if
+                          x["output_logprobs"] is not None])
+    assert np.allclose(lps[len(prompt_lps):], out, atol=1e-5)
+    hs = choice.model_extra["hidden_states"]
+    rows = np.frombuffer(base64.b64decode(hs["data"]), "<f4").reshape(hs["shape"])
+    ref = np.concatenate([x["HIDDEN_STATES"] for x in direct.responses
+                          if x["HIDDEN_STATES"] is not None])
+    assert rows.shape == ref.shape and np.allclose(rows, ref, atol=1e-5)
+    assert r.usage.prompt_tokens == len(prompt_lps) and r.usage.completion_tokens == 6
+
+
+def test_streamed_chat_with_usage_and_errors(gateway):
+    import openai
+
+    client = _client(gateway)
+    chunks = list(client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    whole = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5,
+        temperature=0)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    assert chunks[-1].usage.completion_tokens == 5 == whole.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt="x", max_tokens=10**8)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt="x", extra_body={
+            "hidden_states": {"mode": "all"}})
+    assert e.value.body["param"] == "hidden_states.mode"
