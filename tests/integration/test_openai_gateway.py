@@ -1,6 +1,7 @@
-"""Proves `hsserve openai` serves the OpenAI API over the real tritonserver to the official
-`openai` SDK: completions (echo + logprobs equal to the llm model's own prompt logprobs, hidden
-states as base64 float32 rows equal to llm's), streamed chat with usage, errors naming the field."""
+"""Proves `hsserve openai` serves the OpenAI API to the `openai` SDK over the real tritonserver.
+
+Completions (echo + logprobs equal to the llm model's own prompt logprobs, hidden states as
+base64 float32 rows equal to llm's), streamed chat with usage, errors naming the field."""
 
 from __future__ import annotations
 
