@@ -4,8 +4,8 @@
 # its libpython 3.13 and other Pythons' stubs, tritonclient 2.73.0, python-rapidjson 1.25),
 # np/ (numpy 1.26.4 for the stub: tritonserver 2.51's stub breaks on TYPE_STRING tensors under
 # numpy 2) and tools/ (py-spy); site/ also holds compressed-tensors 0.20.0 and what it needs (the
-# FP8 checkpoints' reference in transformers). For the device's Python 3.12. Run here, once;
-# `.whl/` is ignored.
+# FP8 checkpoints' reference in transformers) and xgrammar 0.2.9 (structured outputs). For the
+# device's Python 3.12. Run here, once; `.whl/` is ignored.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
@@ -14,6 +14,7 @@ dl() { "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3
   --platform manylinux1_x86_64 -d "$1" "${@:2}"; }
 tmp=$(mktemp -d)
 dl "$tmp/w" nvidia-pytriton==0.7.0 tritonclient==2.73.0 python-rapidjson==1.25 ml-dtypes==0.5.4
+dl "$tmp/w" xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 dl "$tmp/w" compressed-tensors==0.20.0 loguru==0.7.3 pydantic==2.14.4 pydantic_core==2.50.5 \
   annotated_types==0.8.0 typing_inspection==0.4.5 typing_extensions==4.16.0 psutil==7.2.2
 dl "$tmp/np" numpy==1.26.4

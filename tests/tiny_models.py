@@ -65,3 +65,21 @@ def tiny_config(family: str):
                               moe_intermediate_size=48, norm_topk_prob=False,
                               mlp_only_layers=[1], tie_word_embeddings=False)
     raise ValueError(family)
+
+
+def byte_bpe_tokenizer(folder: str, vocab_size: int, eos: str = "</s>") -> None:
+    """Train a small byte-level BPE (every text encodable; no hub download) and save it into
+    folder as a transformers tokenizer with `eos` at id 2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ['{"name": "Ada", "age": 36}', "yes, no, red, blue, 0123456789", "The quick brown "
+              "fox jumps over the lazy dog."] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", eos],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=eos,
+                            pad_token="<pad>").save_pretrained(folder)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -52,6 +53,63 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """Structured output: the text must match a JSON schema, a regex, one of the choices, an EBNF
+    grammar or any JSON object (vLLM's `guided_decoding` names). `value` is the schema as
+    canonical JSON, the regex or grammar, the choices as a JSON list, or "" for json_object."""
+
+    kind: str
+    value: str
+
+    @classmethod
+    def parse(cls, name: str, raw) -> GuidedDecoding:
+        """From the request's JSON object (or its text); RequestError names the field."""
+        if isinstance(raw, (str, bytes)):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise RequestError(name, f"is not valid JSON: {e.msg}") from None
+        if not isinstance(raw, dict):
+            raise RequestError(name, f"must be an object with one of {list(GUIDED_KINDS)}")
+        unknown = sorted(set(raw) - set(GUIDED_KINDS) - {"backend"})
+        if unknown:
+            raise RequestError(name, f"unknown field(s) {unknown}; allowed: {list(GUIDED_KINDS)}")
+        if raw.get("backend") not in (None, "auto", "xgrammar"):
+            raise RequestError(f"{name}.backend", f"{raw['backend']!r}; allowed: 'xgrammar'")
+        given = [k for k in GUIDED_KINDS if raw.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError(name, f"give exactly one of {list(GUIDED_KINDS)}, got {given}")
+        kind = given[0]
+        return cls(kind, _guided_value(f"{name}.{kind}", kind, raw[kind]))
+
+
+def _guided_value(name: str, kind: str, v) -> str:
+    if kind == "json_object":
+        if v is not True:
+            raise RequestError(name, "must be true")
+        return ""
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise RequestError(name, f"is not valid JSON: {e.msg}") from None
+        if not isinstance(v, (dict, bool)):
+            raise RequestError(name, "must be a JSON schema (an object)")
+        return json.dumps(v)  # NOTE: key order kept: it is the order properties are generated in
+    if kind == "choice":
+        if not (isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)):
+            raise RequestError(name, "must be a non-empty list of non-empty strings")
+        return json.dumps(v)
+    if not isinstance(v, str) or not v.strip():
+        raise RequestError(name, "must be a non-empty string")
+    return v
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -67,6 +125,7 @@ class SamplingParams:
     logprobs: int | None = None  # NOTE: top alternatives per token (0: the token's own); None: off
     # NOTE: the prompt's per-token log-probabilities (the same k), answered once; None: off
     prompt_logprobs: int | None = None
+    guided: GuidedDecoding | None = None  # NOTE: compiled and enforced by engine/guided.py
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +157,10 @@ class SamplingParams:
             raise RequestError("stop", "stop strings must be non-empty")
         if not 1 <= self.n <= max_n:
             raise RequestError("n", f"{self.n} is outside the allowed range 1..{max_n}")
+        if self.guided is not None and (self.min_tokens or self.ignore_eos):
+            # NOTE: the grammar decides where the text ends; EOS is its last token
+            raise RequestError("min_tokens" if self.min_tokens else "ignore_eos",
+                               "cannot be combined with guided_decoding")
 
 
 @dataclass

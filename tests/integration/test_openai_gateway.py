@@ -1,11 +1,14 @@
 """Proves `hsserve openai` serves the OpenAI API to the `openai` SDK over the real tritonserver.
 
 Completions (echo + logprobs equal to the llm model's own prompt logprobs, hidden states as
-base64 float32 rows equal to llm's), streamed chat with usage, errors naming the field."""
+base64 float32 rows equal to llm's), streamed chat with usage, errors naming the field,
+response_format (json_schema, json_object) and vLLM's guided_* extras, n > 1, batched prompts
+with stop strings; the llm model's own sampling_parameters.guided_decoding beside them."""
 
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import sys
 import time
@@ -92,3 +95,50 @@ def test_streamed_chat_with_usage_and_errors(gateway):
         client.completions.create(model="smol", prompt="x", extra_body={
             "hidden_states": {"mode": "all"}})
     assert e.value.body["param"] == "hidden_states.mode"
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "rank": {"type": "integer"}},
+          "required": ["city", "rank"], "additionalProperties": False}
+
+
+def test_structured_outputs_n_and_batched_prompts(gateway, triton_server):
+    import jsonschema
+    import openai
+
+    client = _client(gateway)
+    msgs = [{"role": "user", "content": "Name a city and its rank as JSON."}]
+    r = client.chat.completions.create(
+        model="smol", messages=msgs, max_tokens=40, temperature=0.8, seed=5, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}})
+    assert len(r.choices) == 2
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    obj = client.chat.completions.create(
+        model="smol", max_tokens=60, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give a JSON object with keys city and country "
+                   "for Paris."}])
+    assert obj.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    pick = client.completions.create(model="smol", prompt=["Yes or no?", "Red or blue?"],
+                                     max_tokens=5, temperature=0,
+                                     extra_body={"guided_choice": ["yes", "no", "red", "blue"]})
+    assert sorted(c.index for c in pick.choices) == [0, 1]
+    assert all(c.text in ("yes", "no", "red", "blue") for c in pick.choices)
+    free = client.completions.create(model="smol", prompt=["One, two,", "A, B,"], max_tokens=12,
+                                     temperature=0, stop=[","])
+    assert all("," not in c.text and c.finish_reason == "stop" for c in free.choices)
+    direct = stream_once(triton_server.grpc_url, {
+        "text_input": "Name a city and its rank as JSON.", "max_tokens": 40,
+        "sampling_parameters": json.dumps({"temperature": 0, "guided_decoding": {
+            "json": SCHEMA}})})
+    text = "".join(b"".join(x["text_output"]).decode() for x in direct.responses)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt="x", extra_body={"guided_regex": "(ab"})
+    assert e.value.body["param"] == "guided_regex" and "regex" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", messages=msgs, response_format={
+            "type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "nope"}}})
+    assert e.value.body["param"] == "response_format"

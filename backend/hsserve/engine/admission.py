@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from hsserve.engine.config import EngineConfig
 from hsserve.engine.detokenizer import IncrementalDetokenizer
 from hsserve.engine.engine_info import EngineInfo
+from hsserve.engine.guided import Grammars
 from hsserve.request import (
     EngineUnavailable,
     FinishReason,
@@ -37,8 +38,10 @@ class AdmittedRequest:
     hidden_layers: tuple[int, ...]
 
 
-def make_sequences(req: AdmittedRequest, tokenizer, max_model_len: int, sink) -> list[Sequence]:
-    """The n Sequences of an admitted request, one per completion."""
+def make_sequences(req: AdmittedRequest, tokenizer, max_model_len: int, sink,
+                   grammars: Grammars | None = None) -> list[Sequence]:
+    """The n Sequences of an admitted request, one per completion (each guided one with its own
+    grammar matcher)."""
     sp, ids = req.sampling, req.prompt_ids
     group = SampleGroup(sp.n)
     limit = min(len(ids) + sp.max_tokens, max_model_len)
@@ -47,6 +50,8 @@ def make_sequences(req: AdmittedRequest, tokenizer, max_model_len: int, sink) ->
         seq = Sequence(req.request_id, ids, sp, sample_seed(req.seed, i), req.hidden_mode,
                        req.hidden_layers, detok, sink, arrival=0, max_num_tokens=limit,
                        group=group)
+        if sp.guided is not None:
+            seq.grammar = grammars.matcher(sp.guided)
         if sp.max_tokens == 0:
             seq.finish_reason = FinishReason.LENGTH  # NOTE: prompt only: no token is sampled
     return group.seqs
@@ -62,6 +67,7 @@ class Admission:
         self.ceiling = config.hidden_states_ceiling
         self.captured_layers = info.captured_layers
         self._rng = random.Random()  # NOTE: seeds for unseeded requests
+        self.grammars = Grammars(info.tokenizer, info.spec.vocab_size, info.spec.eos_token_ids)
 
     def prompt_ids(self, request: GenerationRequest) -> tuple[list[int], str]:
         if (request.prompt is None) == (request.prompt_ids is None):
@@ -90,6 +96,8 @@ class Admission:
                 name, f"the prompt has {len(ids)} tokens; max_prompt_tokens is {self.max_prompt_tokens}"
             )
         sp.validate(self.max_tokens_limit, self.max_n, self.max_logprobs)
+        if sp.guided is not None:
+            self.grammars.compile(sp.guided)  # NOTE: refused here when invalid; cached for the loop
         if len(ids) + (1 if sp.max_tokens else 0) > self.max_model_len:
             raise RequestError(
                 name,

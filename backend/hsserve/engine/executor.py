@@ -16,6 +16,7 @@ from hsserve.engine.cuda_graphs import DecodeGraphs
 from hsserve.engine.step_rows import RowPlan, StepRows
 from hsserve.engine.logprobs import PromptLogprobs, prompt_logprobs, step_logprobs
 from hsserve.engine.ranks import Ranks
+from hsserve.engine.guided import fill_bitmask
 from hsserve.engine.sampler import banned_tokens, sample
 from hsserve.engine.transfer import download, upload
 from hsserve.engine.types import Chunk, Launched
@@ -53,6 +54,7 @@ class Executor:
         self.group = model.spec.num_heads // model.spec.num_kv_heads
         self.eos_ids = frozenset(model.spec.eos_token_ids)
         self._sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+        self.num_graph_steps = 0  # NOTE: steps that replayed a captured graph
         # NOTE: MODE=last rows kept on the device are copied out on this stream, past the steps
         # queued after theirs
         self._fetch_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -144,6 +146,7 @@ class Executor:
         if self.peers is not None:
             self.peers.send(chunks, sources, sampled, plan is not None and bool(plan.with_rows))
         graph = self._takes_graph(chunks)
+        self.num_graph_steps += graph
         forward = self._forward_graph if graph else self._forward_eager
         logits, block, layers, greedy, prompt = forward(chunks, sources, sampled, plan)
         tokens = logprobs = None
@@ -201,18 +204,20 @@ class Executor:
         banned = None
         if any(p.min_tokens for p in params):  # NOTE: most steps: nobody's min_tokens
             banned = [banned_tokens(p, self.eos_ids, i) for p, i in zip(params, steps)]
+        bitmask = fill_bitmask([c.seq.grammar for c, _ in rows], logits.shape[1])
         if greedy is not None and every_row and all(p.greedy for p in params) and not any(
-                banned or ()):
+                banned or ()) and bitmask is None:
             # NOTE: the replay's argmax wrote the samples (device and host) and logprobs' stats
             tokens, found = greedy
             return tokens, step_logprobs(logits, self.sampled, params,
                                          (found, self.graphs.lse[: len(params)]))
         samples, tokens = self._sample(logits, [c.seq.seed for c, _ in rows], steps, params,
-                                       banned)
+                                       banned, bitmask)
         return tokens, step_logprobs(logits, samples, params)
 
     def _sample(self, logits: torch.Tensor, seeds: list[int], steps: list[int], params,
-                banned: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                banned: list[list[int]] | None, bitmask: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples of the sampling rows, written where a step queued ahead reads its inputs:
         (on the device, host copy). A step with drafts has more rows than that buffer: nothing
         is queued ahead of it (scheduler.schedule_ahead)."""
@@ -220,7 +225,8 @@ class Executor:
         cuda = self.device.type == "cuda"
         # NOTE: on CUDA written in place (no copy kernel); on the CPU download() returns the
         # tensor itself, so it must stay apart
-        samples = sample(logits, params, seeds, steps, out=where if cuda else None, banned=banned)
+        samples = sample(logits, params, seeds, steps, out=where if cuda else None, banned=banned,
+                         bitmask=bitmask)
         if not cuda and where is not None:
             where.copy_(samples)
         return samples, download(samples)

@@ -104,7 +104,8 @@ class Engine:
         """Queue an admitted request (the engine process's child admits nothing a second time;
         its parent claimed the id). EngineUnavailable when the engine is not serving."""
         sink = sink or RequestStream(request.request_id)
-        seqs = make_sequences(request, self.tokenizer, self.max_model_len, sink)
+        seqs = make_sequences(request, self.tokenizer, self.max_model_len, sink,
+                              self._admission.grammars)
         with self._ids.lock:  # NOTE: the loop's end drains the inbox under it: nothing is missed
             closed = self._dead or self._stopped
             if claim:

@@ -9,6 +9,7 @@ from typing import Callable
 from hsserve.engine.hidden_rows import HiddenRows, wants_final_row
 from hsserve.engine.logprobs import prompt_entries, token_logprobs
 from hsserve.engine.scheduler import Scheduler
+from hsserve.engine.guided import advance
 from hsserve.engine.sequence import Sequence, Status
 from hsserve.engine.speculative import accepted_length
 from hsserve.engine.stats import EngineStats
@@ -91,6 +92,8 @@ class Outputs:
         if early:
             pass
         elif stopped or token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
+            seq.finish_reason = FinishReason.STOP
+        elif seq.grammar is not None and not advance(seq.grammar, token):
             seq.finish_reason = FinishReason.STOP
         elif seq.ends_at(seq.num_tokens):
             seq.finish_reason = FinishReason.LENGTH

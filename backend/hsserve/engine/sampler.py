@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from hsserve.engine.guided import apply_bitmask
 from hsserve.kernels.argmax import argmax_rows
 from hsserve.request import SamplingParams
 from hsserve.engine.transfer import upload
@@ -61,14 +62,18 @@ def banned_tokens(sp: SamplingParams, eos_ids: frozenset[int], output_index: int
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
     out: torch.Tensor | None = None, banned: list[list[int]] | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, vocab] float32 -> token ids [B] (int64, on logits' device), into `out` when
-    given (contiguous int64 [B]); banned: per row, tokens masked out first (logits untouched)."""
+    given (contiguous int64 [B]); banned: per row, tokens masked out first; bitmask: the tokens
+    guided decoding allows (engine/guided.py). `logits` itself is left untouched."""
     if banned is not None and any(banned):
         rows = [i for i, ids in enumerate(banned) for _ in ids]
         cols = [t for ids in banned for t in ids]
         logits = logits.index_put((upload(rows, logits.device), upload(cols, logits.device)),
                                   torch.tensor(float("-inf"), device=logits.device))
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
     out = argmax_rows(logits, out)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

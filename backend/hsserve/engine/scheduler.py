@@ -73,8 +73,8 @@ class Scheduler:
         (their input tokens are prev's samples, on the device); None when the scheduler must see
         prev's tokens first (a prompt in progress, prompts to admit, the pool dry, drafts to
         propose: they follow prev's tokens)."""
-        if self.proposer is not None:
-            return None
+        if self.proposer is not None or any(c.seq.grammar is not None for c in prev):
+            return None  # NOTE: a guided sequence's mask follows prev's token (engine/guided.py)
         if not all(f or (c.ahead and c.last_input) for c, f in zip(prev, sampled)):
             return None
         if self.admit_now():
@@ -206,7 +206,7 @@ class Scheduler:
     def _draft(self, seq: Sequence, spare: int) -> tuple[int, ...]:
         """Tokens proposed to follow seq's last (none for a row-only chunk), no more than the
         budget's spare tokens or than would take it past its length limit with the target's."""
-        if self.proposer is None or seq.finish_reason is not None:
+        if self.proposer is None or seq.finish_reason is not None or seq.grammar is not None:
             return ()
         return self.proposer.propose(seq.token_ids,
                                      min(spare, seq.max_num_tokens - seq.num_tokens - 1))

@@ -81,6 +81,7 @@ class Sequence:
         # NOTE: text length (in self.stop.text) after each generated token not yet published,
         # so a delta's text is the text of the delta's own tokens.
         self.text_marks: deque[int] = deque()
+        self.grammar = None  # NOTE: guided decoding: its xgrammar matcher (engine/guided.py)
 
     @property
     def num_tokens(self) -> int:

@@ -36,7 +36,8 @@ def from_backend(message: str, rename: dict[str, str] | None = None) -> ApiError
     text = message.split("] ", 1)[-1] if message.startswith("[") else message
     if any(s in text for s in _UNAVAILABLE):
         return ApiError(text, status=503, kind="server_error", code="overloaded")
-    name = text.split(":", 1)[0].strip()
+    # NOTE: "sampling_parameters.guided_decoding.json: ..." names guided_decoding
+    name = text.split(":", 1)[0].strip().removeprefix("sampling_parameters.").split(".")[0]
     if name in _FIELDS:
         param = _FIELDS[name]
         return ApiError(text, param=(rename or {}).get(param, param))

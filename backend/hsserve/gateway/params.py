@@ -115,9 +115,45 @@ def _refuse_unsupported(body: dict) -> None:
     for name in _UNSUPPORTED_EMPTY:
         if body.get(name):
             raise invalid(name, "is not supported by this server")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise invalid("response_format", "only {\"type\": \"text\"} is supported")
+
+
+# NOTE: vLLM's request extras for the same structured outputs, each one guided_decoding kind
+_GUIDED_EXTRAS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def _response_format(fmt: Any) -> dict | None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise invalid("response_format.json_schema", "must be {\"name\": ..., \"schema\": "
+                          "{a JSON schema}}")
+        return {"json": spec.get("schema", {})}  # NOTE: no schema: any JSON value, as OpenAI's
+    raise invalid("response_format", "type must be one of 'text', 'json_object', 'json_schema'")
+
+
+def _guided(body: dict) -> tuple[dict | None, str]:
+    """The request's structured output as the engine's guided_decoding, and the field it came
+    from (response_format, a vLLM guided_* extra, or structured_outputs); at most one."""
+    given = [n for n in ("response_format", *_GUIDED_EXTRAS, "structured_outputs")
+             if body.get(n) is not None]
+    if len(given) > 1:
+        raise invalid(given[1], f"give one of {given}, not several")
+    if not given:
+        return None, ""
+    name = given[0]
+    if name == "response_format":
+        return _response_format(body[name]), name
+    if name == "structured_outputs":
+        if not isinstance(body[name], dict):
+            raise invalid(name, "must be an object (vLLM's structured_outputs)")
+        return body[name], name
+    return {_GUIDED_EXTRAS[name]: body[name]}, name
 
 
 def _common(body: dict, chat: bool) -> dict[str, Any]:
@@ -159,6 +195,10 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
         settings["stop_token_ids"] = ids
     if "ignore_eos" in body:
         settings["ignore_eos"] = _bool(body, "ignore_eos")
+    guided, source = _guided(body)
+    if guided is not None:
+        settings["guided_decoding"] = guided
+        rename["response_format"] = source
     hidden = _hidden(body)
     if hidden is not None:
         settings["MODE"] = hidden.mode

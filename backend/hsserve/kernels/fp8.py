@@ -128,7 +128,7 @@ def gemm_config(m: int, n: int, k: int, x_fp8: bool) -> tuple[int, int, int, int
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by rows and shape: small tiles at decode sizes
     (more programs over the weight), large ones above (bench/README.md#fp8-gemm-configs)."""
     if x_fp8:
-        return (16, 64, 256, 4, 4) if m <= 16 else (64, 64, 128, 4, 4) if m <= 64 \
+        return (16, 64, 256, 4, 4) if m <= 16 else (64, 64, 256, 4, 3) if m <= 64 \
             else (128, 128, 128, 8, 3)
     if m <= 16:
         return 16, 32, 256, 4, 4

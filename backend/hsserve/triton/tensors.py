@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from hsserve.request import GenerationRequest, HiddenStatesMode, RequestError, SamplingParams
+from hsserve.request import (GenerationRequest, GuidedDecoding, HiddenStatesMode, RequestError,
+                             SamplingParams)
 from hsserve.triton import dialects
 from hsserve.triton.values import (as_bool, as_float, as_int, as_int_list, as_str, as_str_list)
 
@@ -51,9 +52,11 @@ _SETTINGS: dict[str, Callable[[str, Any], Any]] = {
     "num_logprobs": lambda n, v: as_int(n, v, 0, _INT32),
     "prompt_logprobs": lambda n, v: as_int(n, v, 0, _INT32),
     "stream_interval": lambda n, v: as_int(n, v, 1, _INT32),
+    "guided_decoding": GuidedDecoding.parse,
     **dict.fromkeys(dialects.RETURNS, as_bool),
 }
-_ALIASES = {"logprobs": "num_logprobs"}  # NOTE: vllm_backend's JSON name for the same setting
+# NOTE: vllm_backend's JSON names for the same settings (newer vLLM: structured_outputs)
+_ALIASES = {"logprobs": "num_logprobs", "structured_outputs": "guided_decoding"}
 _SCALAR_INPUTS = {
     "stream", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
     "n", "MODE", "text_input", "sampling_parameters", "exclude_input_in_output", "min_length",
@@ -160,6 +163,7 @@ def parse_request(
         n=values.get("n", 1),
         logprobs=logprobs,
         prompt_logprobs=values.get("prompt_logprobs"),
+        guided=values.get("guided_decoding"),
     )
     stream = values.get("stream", False)
     exclude = values.get("exclude_input_in_output", exclude_input_default)
