@@ -101,7 +101,7 @@ for part in $parts; do
              timeout 400 python3 bench/graph_flags_ab.py --batch "${BATCH:-64}" --rounds 3 \
                --variant torch $R=128 --variant kernel $R=512 \
                --out "$OUT/h200_route_ab_b${BATCH:-64}.json" 2>&1 | grep -v "^\[W" | tail -8 ;;
-    guided) timeout 300 python3 bench/guided_cost.py --shape llama-1b --tokenizer .whl/tok \
+    guided) timeout 300 python3 bench/guided_cost.py --shape llama-1b --tokenizer .whl/tok --long 200 \
               --out "$OUT/${GUIDED_OUT:-h200_guided_cost}.json" 2>&1 | grep -v "^\[W\|Warning" | tail -8 ;;
     none) ;;  # NOTE: the set-up only
     *) echo "gpu_session.sh: unknown part $part" >&2 ;;

@@ -143,3 +143,23 @@ def test_bitmask_reference_masks_exactly_the_forbidden_tokens(smollm_engine):
     allowed = torch.isfinite(masked[1]).nonzero().flatten().tolist()
     texts = [smollm_engine.tokenizer.decode([t]) for t in allowed]
     assert allowed and all(re.fullmatch("[0-9]", t) for t in texts), texts
+
+
+def test_guided_steps_queued_ahead_equal_sync(smollm_dir, smollm_engine):
+    """Async scheduling: a guided step queued ahead is sampled once the previous step is read
+    (its masks follow those tokens): the same texts as the engine without it."""
+    from hsserve import Engine, EngineConfig
+
+    kinds = [{"json": SCHEMA}, {"regex": r"(yes|no), [0-9]{2}"}, {"choice": ["red", "blue"]}]
+    engine = Engine(EngineConfig(model=smollm_dir, device="cpu", async_scheduling="on")).start()
+    try:
+        ahead = engine.num_ahead_steps
+        got = [run(engine, f"a{i}", guided(**k), temperature=0.7, seed=i, n=2)
+               for i, k in enumerate(kinds)]
+        got = [[r.text for r in s.results(timeout=300)] for s in got]
+        assert engine.num_ahead_steps >= ahead + 5
+    finally:
+        engine.shutdown()
+    want = [run(smollm_engine, f"s{i}", guided(**k), temperature=0.7, seed=i, n=2)
+            for i, k in enumerate(kinds)]
+    assert got == [[r.text for r in s.results(timeout=300)] for s in want]

@@ -23,6 +23,15 @@ def test_noise_depends_only_on_seed_and_step():
     assert abs(float(a.mean()) - 0.5) < 0.02
 
 
+def test_noise_stays_below_one_where_the_hash_is_largest():
+    """A hash of 24 one-bits once gave exactly 1.0 (float32 rounding): an infinite Gumbel that
+    picked its token whatever the logits, even a masked (-inf) one."""
+    from hsserve.engine.sampler import as_int64
+
+    u = uniform_noise(torch.tensor([as_int64(16294208416658607535)]), torch.tensor([7]), 49152)
+    assert float(u.max()) < 1.0 and torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
 def test_sampling_distribution_follows_softmax():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     counts = torch.zeros(3)

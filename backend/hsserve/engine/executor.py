@@ -137,10 +137,11 @@ class Executor:
 
     @torch.inference_mode()
     def launch(self, chunks: list[Chunk], plan: RowPlan | None,
-               prev: Launched | None = None) -> Launched:
+               prev: Launched | None = None, defer: bool = False) -> Launched:
         """Queue one step and the copies of its results (the rows `plan` names); chunks queued
         ahead take their input tokens from prev's samples on the device. Never waits for the
-        device on the graph path."""
+        device on the graph path. defer: sampling waits for finish_sampling (guided rows queued
+        ahead: their masks follow prev's tokens)."""
         sources = sources_of(chunks, prev)
         sampled = [c.samples for c in chunks]
         if self.peers is not None:
@@ -149,11 +150,13 @@ class Executor:
         self.num_graph_steps += graph
         forward = self._forward_graph if graph else self._forward_eager
         logits, block, layers, greedy, prompt = forward(chunks, sources, sampled, plan)
-        tokens = logprobs = None
+        tokens = logprobs = pending = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
-            tokens, logprobs = self._tokens(logits, sampling, greedy if graph else None,
-                                            len(sampling) == len(chunks))
+            pending = (logits, sampling, greedy if graph else None, len(sampling) == len(chunks))
+            if not defer:
+                tokens, logprobs = self._tokens(*pending)
+                pending = None
         rows = None
         if block is not None:
             if self._fetch_stream is not None and plan.last_only:
@@ -166,7 +169,17 @@ class Executor:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Launched(chunks, sampled, tokens, rows, plan, done, logprobs, prompt)
+        return Launched(chunks, sampled, tokens, rows, plan, done, logprobs, prompt, pending)
+
+    def finish_sampling(self, step: Launched) -> None:
+        """Sample a step launched with defer (its done event then follows the samples' copy)."""
+        if step.pending is None:
+            return
+        step.tokens, step.logprobs = self._tokens(*step.pending)
+        step.pending = None
+        if step.done is not None:
+            step.done = torch.cuda.Event()
+            step.done.record()
 
     def _takes_graph(self, chunks: list[Chunk]) -> bool:
         g = self.graphs
@@ -204,7 +217,8 @@ class Executor:
         banned = None
         if any(p.min_tokens for p in params):  # NOTE: most steps: nobody's min_tokens
             banned = [banned_tokens(p, self.eos_ids, i) for p, i in zip(params, steps)]
-        bitmask = fill_bitmask([c.seq.grammar for c, _ in rows], logits.shape[1])
+        bitmask = fill_bitmask([c.seq.grammar for c, _ in rows], logits.shape[1],
+                               pin=self.device.type == "cuda")
         if greedy is not None and every_row and all(p.greedy for p in params) and not any(
                 banned or ()) and bitmask is None:
             # NOTE: the replay's argmax wrote the samples (device and host) and logprobs' stats

@@ -2,8 +2,9 @@
 completion, and the token bitmask the sampler applies to that row's logits.
 
 The mask touches only what is sampled: logits, log-probabilities (the model's own, before any
-processing) and hidden rows are computed as without it. A guided sequence is never queued ahead
-of its previous step (its mask follows that step's token) and never drafts.
+processing) and hidden rows are computed as without it. A guided step queued ahead of the previous
+one is sampled only once that one is read (its masks follow those tokens: Executor.launch's
+defer); a guided sequence never drafts.
 """
 
 from __future__ import annotations
@@ -74,13 +75,15 @@ class Grammars:
         return xgr.GrammarMatcher(self.compile(g))
 
 
-def fill_bitmask(matchers: list, vocab_size: int) -> torch.Tensor | None:
+def fill_bitmask(matchers: list, vocab_size: int, pin: bool = False) -> torch.Tensor | None:
     """Per sampled row its allowed tokens as bits (int32 [rows, ceil(vocab / 32)], -1 = every
-    token), or None when no row is guided."""
+    token), or None when no row is guided. pin: in pinned memory (its upload never waits)."""
+    # NOTE: a terminated matcher: its sequence ended while a step was queued ahead (a void row)
+    matchers = [None if m is None or m.is_terminated() else m for m in matchers]
     if all(m is None for m in matchers):
         return None
     words = (vocab_size + 31) // 32
-    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32, pin_memory=pin)
     for i, m in enumerate(matchers):
         if m is not None:
             m.fill_next_token_bitmask(bitmask, i)
@@ -91,7 +94,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] with the tokens bitmask forbids at -inf (a new tensor)."""
     vocab = logits.shape[1]
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).reshape(len(bitmask), -1)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).reshape(len(bitmask), -1)
     return logits.masked_fill(allowed[:, :vocab] == 0, float("-inf"))
 
 

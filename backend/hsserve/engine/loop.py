@@ -330,6 +330,7 @@ class Engine:
         step = self._launch(chunks, prev) if chunks else None
         if prev is not None:
             self._complete(prev)
+            step and self.executor.finish_sampling(step)  # NOTE: guided masks follow prev's tokens
         if step is not None and not self._async:
             self._complete(step)
             step = None
@@ -337,7 +338,8 @@ class Engine:
 
     def _launch(self, chunks: list[Chunk], prev: Launched | None) -> Launched:
         self.rows.settle()  # NOTE: before a replay may rewrite the rows of the last graph step
-        step = self.executor.launch(chunks, self.rows.plan(chunks), prev)
+        step = self.executor.launch(chunks, self.rows.plan(chunks), prev, defer=prev is not None
+                                    and any(c.seq.grammar is not None for c in chunks))
         self.rows.launched(step)
         self.num_steps += 1
         self.num_ahead_steps += prev is not None

@@ -49,7 +49,9 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     key = _mix(_mix(seeds * _GOLDEN + steps) + 1)
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = _mix(key[:, None] + ids[None, :] * _GOLDEN)
-    return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
+    # NOTE: 23 bits: (2**24 - 0.5) / 2**24 rounds to 1.0 in float32, an infinite Gumbel that
+    # picked its token whatever the logits (even a masked one)
+    return (_shr(x, 41).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def banned_tokens(sp: SamplingParams, eos_ids: frozenset[int], output_index: int) -> list[int]:

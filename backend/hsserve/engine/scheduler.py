@@ -73,8 +73,8 @@ class Scheduler:
         (their input tokens are prev's samples, on the device); None when the scheduler must see
         prev's tokens first (a prompt in progress, prompts to admit, the pool dry, drafts to
         propose: they follow prev's tokens)."""
-        if self.proposer is not None or any(c.seq.grammar is not None for c in prev):
-            return None  # NOTE: a guided sequence's mask follows prev's token (engine/guided.py)
+        if self.proposer is not None:
+            return None
         if not all(f or (c.ahead and c.last_input) for c, f in zip(prev, sampled)):
             return None
         if self.admit_now():

@@ -72,3 +72,5 @@ class Launched:
     done: torch.cuda.Event | None  # recorded after the copies (CUDA)
     logprobs: StepLogprobs | None = None  # host copies, for the rows that asked
     prompt: list[PromptLogprobs] | None = None  # prompt logprobs of the chunks with a span
+    # NOTE: sampling left for after the previous step is read (a guided step queued ahead)
+    pending: tuple | None = None
