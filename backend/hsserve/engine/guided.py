@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from hsserve.kernels import cpu_ops
 from hsserve.request import GuidedDecoding, RequestError
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,15 @@ def fill_bitmask(matchers: list, vocab_size: int, pin: bool = False) -> torch.Te
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab] with the tokens bitmask forbids at -inf (a new tensor)."""
+    """logits [rows, vocab] with the tokens bitmask forbids at -inf (a new tensor): the CPU
+    kernel where it is built, else this torch reference."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous() \
+            and cpu_ops.library() is not None:
+        return cpu_ops.mask_logits(logits, bitmask.contiguous())
+    return reference_apply_bitmask(logits, bitmask)
+
+
+def reference_apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[1]
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
     bitmask = bitmask.to(logits.device, non_blocking=True)

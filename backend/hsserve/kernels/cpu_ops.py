@@ -39,6 +39,7 @@ _SIGNATURES = {
     "hs_decode_attention": [_P, _L, _P, _L, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _I],
     "hs_rotary_store": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _P, _I],
     "hs_silu_mul": [_P, _P, _I, _I, _I],
+    "hs_mask_logits": [_P, _P, _P, _I, _I, _I, _I],
     "hs_add_rmsnorm": [_P, _P, _P, _P, _P, _I, _I, _F, _I],
     "hs_gemm_pack": [_P, _P, _I, _I, _I],
     "hs_gemm": [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I],
@@ -174,6 +175,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.is_contiguous()
     out = torch.empty(t, two_n // 2, dtype=gate_up.dtype)
     library().hs_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_n // 2, _threads())
+    return out
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] float32 with the tokens int32 bitmask [R, W] forbids at -inf (a new
+    tensor; guided.apply_bitmask is the reference)."""
+    r, v = logits.shape
+    assert logits.is_contiguous() and bitmask.is_contiguous() and bitmask.shape[1] * 32 >= v
+    out = torch.empty_like(logits)
+    library().hs_mask_logits(logits.data_ptr(), bitmask.data_ptr(), out.data_ptr(), r, v,
+                             bitmask.shape[1], _threads())
     return out
 
 

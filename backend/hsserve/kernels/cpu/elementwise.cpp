@@ -63,4 +63,17 @@ void hs_silu_mul(const float* gate_up, float* out, int T, int N, int threads) {
   }
 }
 
+// out [R, V] = logits where bit v of row r's bitmask [R, W] is set, else -inf (guided decoding)
+void hs_mask_logits(const float* logits, const int32_t* bitmask, float* out, int R, int V, int W,
+                    int threads) {
+  const float neg = -__builtin_inff();
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int r = 0; r < R; ++r) {
+    const float* l = logits + (int64_t)r * V;
+    const uint32_t* b = (const uint32_t*)(bitmask + (int64_t)r * W);
+    float* o = out + (int64_t)r * V;
+    for (int v = 0; v < V; ++v) o[v] = (b[v >> 5] >> (v & 31)) & 1u ? l[v] : neg;
+  }
+}
+
 }  // extern "C"
