@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=72)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kinds", nargs="+", default=["plain", "guided"], help="for a profile: one")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     gpu = bool(args.shape)
@@ -76,7 +77,7 @@ def main() -> None:
         params.update(load_format="dummy", dtype="bfloat16")
     engine = Engine(EngineConfig(**params)).start()
     batch(engine, args.batch, args.short, True)  # NOTE: warm: the compiler, the schema's cache
-    rates: dict[str, list[float]] = {"plain": [], "guided": []}
+    rates: dict[str, list[float]] = {k: [] for k in args.kinds}
     for _ in range(args.rounds):
         for kind in rates:
             short = batch(engine, args.batch, args.short, kind == "guided")
@@ -84,6 +85,9 @@ def main() -> None:
             rates[kind].append(args.batch * (args.long - args.short) / (long - short))
     engine.shutdown()
     med = {k: statistics.median(v) for k, v in rates.items()}
+    if len(med) == 1:
+        print(med)
+        return
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"{'gpu' if gpu else 'cpu'}_guided_cost.json")
     write_result(out, {

@@ -64,12 +64,16 @@ def _serve(args) -> int:
     if server.admin_key and not os.environ.get(ADMIN_KEY_ENV):
         print(f"repository, shared-memory, trace and logging APIs need the header {ADMIN_HEADER}: "
               f"{server.admin_key} (set {ADMIN_KEY_ENV} to choose it)", flush=True)
+    gateway = None
     try:
         server.wait_ready(timeout=args.ready_timeout, models=tuple(args.wait_for))
+        if args.openai:
+            gateway = _start_gateway(args)
         print(
             f"ready: HTTP http://127.0.0.1:{ports.http}  gRPC 127.0.0.1:{ports.grpc}  "
-            f"metrics http://127.0.0.1:{ports.metrics}/metrics  (Ctrl-C stops)",
-            flush=True,
+            f"metrics http://127.0.0.1:{ports.metrics}/metrics"
+            + (f"  OpenAI http://127.0.0.1:{args.openai_port}/v1" if gateway else "")
+            + "  (Ctrl-C stops)", flush=True,
         )
         # NOTE: explicit handlers: a shell starts background jobs with SIGINT ignored
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -79,7 +83,20 @@ def _serve(args) -> int:
         print("stopping tritonserver", flush=True)
         return 0
     finally:
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(timeout=30)
         server.stop()
+
+
+def _start_gateway(args):
+    """`hsserve openai` beside the server (serve --openai), on the server's gRPC port."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "hsserve.cli", "openai", "--port",
+                             str(args.openai_port), "--grpc-url", f"127.0.0.1:{args.grpc_port}",
+                             "--model-repository", args.model_repository])
 
 
 def _openai(args) -> int:
@@ -118,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--wait-for", nargs="+", default=["llm", "llm_sync"])
     s.add_argument("--triton-arg", action="append", default=[],
                    help="extra tritonserver flag, e.g. --triton-arg=--log-verbose=1")
+    s.add_argument("--openai", action="store_true",
+                   help="also serve the OpenAI API (hsserve openai) on --openai-port")
+    s.add_argument("--openai-port", type=int, default=9000)
     s.set_defaults(fn=_serve)
     o = sub.add_parser("openai", help="an OpenAI-compatible API over a running tritonserver")
     from hsserve.gateway.main import add_arguments as openai_arguments

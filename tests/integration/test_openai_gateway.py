@@ -3,12 +3,14 @@
 Completions (echo + logprobs equal to the llm model's own prompt logprobs, hidden states as
 base64 float32 rows equal to llm's), streamed chat with usage, errors naming the field,
 response_format (json_schema, json_object) and vLLM's guided_* extras, n > 1, batched prompts
-with stop strings; the llm model's own sampling_parameters.guided_decoding beside them."""
+with stop strings; the llm model's own sampling_parameters.guided_decoding beside them; and
+`hsserve serve --openai` starting and stopping both servers."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 import time
@@ -142,3 +144,41 @@ def test_structured_outputs_n_and_batched_prompts(gateway, triton_server):
         client.chat.completions.create(model="smol", messages=msgs, response_format={
             "type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "nope"}}})
     assert e.value.body["param"] == "response_format"
+
+
+def test_serve_with_openai_starts_and_stops_both(tmp_path, smollm_dir):
+    """`hsserve serve --openai` (scripts/serve.sh --openai): the gateway comes up beside
+    tritonserver on the same model, and Ctrl-C stops both."""
+    import shutil
+    import signal
+
+    from conftest import make_repository
+
+    repo = make_repository(str(tmp_path), smollm_dir)
+    for name in os.listdir(repo):
+        if name != "llm":
+            shutil.rmtree(os.path.join(repo, name))
+    http, grpc, metrics, port = free_ports(4)
+    proc = subprocess.Popen([sys.executable, "-m", "hsserve.cli", "serve", "--model-repository",
+                             repo, "--http-port", str(http), "--grpc-port", str(grpc),
+                             "--metrics-port", str(metrics), "--wait-for", "llm", "--openai",
+                             "--openai-port", str(port)])
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                models = json.load(urllib.request.urlopen(f"{url}/models", timeout=2))
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, "serve --openai failed"
+                time.sleep(1)
+        name = models["data"][0]["id"]
+        r = _client(url).completions.create(model=name, prompt="Hello", max_tokens=3,
+                                            temperature=0)
+        assert r.usage.completion_tokens == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{url}/models", timeout=2)
