@@ -4,7 +4,8 @@ Completions (echo + logprobs equal to the llm model's own prompt logprobs, hidde
 base64 float32 rows equal to llm's), streamed chat with usage, errors naming the field,
 response_format (json_schema, json_object) and vLLM's guided_* extras, n > 1, batched prompts
 with stop strings; the llm model's own sampling_parameters.guided_decoding beside them; and
-`hsserve serve --openai` starting and stopping both servers."""
+`hsserve serve --openai` starting and stopping both servers; lm-evaluation-harness'
+local-completions scoring as its hf model."""
 
 from __future__ import annotations
 
@@ -182,3 +183,52 @@ def test_serve_with_openai_starts_and_stops_both(tmp_path, smollm_dir):
         assert proc.wait(timeout=90) == 0
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{url}/models", timeout=2)
+
+
+def _lm_eval_tasks(folder: str) -> str:
+    """The two local tasks over tests/data/lm_eval (one loglikelihood, one generate_until)."""
+    data = os.path.join(os.path.dirname(__file__), "..", "data", "lm_eval")
+    common = dict(dataset_path="json", test_split="test", doc_to_text="{{question}}",
+                  doc_to_target="{{answer}}")
+    tasks = {
+        "hs_mc": dict(common, output_type="multiple_choice", doc_to_choice="{{choices}}",
+                      metric_list=[{"metric": "acc"}]),
+        "hs_gen": dict(common, output_type="generate_until", generation_kwargs={
+            "until": ["\n", "."], "max_gen_toks": 10, "do_sample": False},
+                       metric_list=[{"metric": "exact_match", "ignore_case": True,
+                                     "ignore_punctuation": True}]),
+    }
+    for name, file in (("hs_mc", "multiple_choice"), ("hs_gen", "generate_until")):
+        tasks[name].update(task=name, dataset_kwargs={"data_files": {
+            "test": os.path.abspath(os.path.join(data, f"{file}.jsonl"))}})
+        with open(os.path.join(folder, f"{name}.yaml"), "w") as f:
+            json.dump(tasks[name], f)  # NOTE: JSON is YAML
+    return folder
+
+
+def test_lm_eval_local_completions_scores_equal_transformers(gateway, smollm_dir, tmp_path):
+    """lm-evaluation-harness' local-completions (token-id prompts, echo + logprobs for the
+    loglikelihoods, stop strings for generation) scores as its hf model on the same weights."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_path=_lm_eval_tasks(str(tmp_path)))
+    runs = {
+        "served": simple_evaluate(model="local-completions", model_args={
+            "model": "smol", "base_url": f"{gateway}/completions", "tokenizer": smollm_dir,
+            "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_retries": 1,
+            "num_concurrent": 4}, tasks=["hs_mc", "hs_gen"], task_manager=tasks, log_samples=True),
+        "hf": simple_evaluate(model="hf", model_args={
+            "pretrained": smollm_dir, "dtype": "float32", "device": "cpu"},
+            tasks=["hs_mc", "hs_gen"], task_manager=tasks, log_samples=True, batch_size=1),
+    }
+    served, hf = runs["served"], runs["hf"]
+    for task, metric in (("hs_mc", "acc,none"), ("hs_gen", "exact_match,none")):
+        assert served["results"][task][metric] == hf["results"][task][metric], task
+    mc = [(s["doc_id"], s["filtered_resps"]) for s in served["samples"]["hs_mc"]]
+    ref = dict((s["doc_id"], s["filtered_resps"]) for s in hf["samples"]["hs_mc"])
+    for doc, lls in mc:
+        assert np.allclose([x[0] for x in lls], [x[0] for x in ref[doc]], atol=1e-4), doc
+    gen = {s["doc_id"]: s["filtered_resps"] for s in served["samples"]["hs_gen"]}
+    assert gen == {s["doc_id"]: s["filtered_resps"] for s in hf["samples"]["hs_gen"]}
+    assert served["results"]["hs_mc"]["acc,none"] >= 0.5  # NOTE: SmolLM2 knows these
