@@ -516,3 +516,19 @@ def check_decode_route(device, dtype, tokens, experts, hidden, k, renormalize, s
             ref = add_rmsnorm_ref(x.double(), None, torch.ones(hidden, dtype=torch.float64,
                                                                device=device), norm_eps)[0]
             _close(rows, ref, dtype)
+
+
+def check_bitmask(device: str) -> None:
+    """The guided-decoding mask kernel equals bitmask_ref, odd vocabulary sizes included."""
+    from hsserve.kernels.bitmask import apply_bitmask_triton, bitmask_ref
+
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in ((3, 49152), (2, 1000), (1, 37)):
+        logits = torch.randn(rows, vocab, generator=g).to(device)
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32,
+                                generator=g).to(device)
+        bitmask[0] = -1
+        out = apply_bitmask_triton(logits, bitmask)
+        assert torch.equal(out, bitmask_ref(logits, bitmask)), (rows, vocab)
+        assert torch.equal(out[0], logits[0])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import check_decode, check_write_kv
+from kernel_cases import check_bitmask, check_decode, check_write_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -217,3 +217,7 @@ def test_attention_kernels_soft_cap(dtype, window):
         check_decode("cuda", dtype, 8, 4, 256, [1, 17, 50, 300], window=window, num_splits=splits,
                      softcap=50.0)
     check_varlen("cuda", dtype, 8, 4, 256, [(0, 37), (32, 5), (0, 1)], window=window, softcap=50.0)
+
+
+def test_guided_bitmask_kernel_matches_reference():
+    check_bitmask("cuda")

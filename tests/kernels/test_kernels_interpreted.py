@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernel_cases import check_decode, check_write_kv
+from kernel_cases import check_bitmask, check_decode, check_write_kv
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -183,3 +183,7 @@ def test_attention_kernels_soft_cap(window):
     check_varlen("cpu", torch.float32, 8, 2, 32, [(0, 19), (16, 5)], window=window, softcap=5.0)
 
 
+
+
+def test_guided_bitmask_kernel_matches_reference():
+    check_bitmask("cpu")

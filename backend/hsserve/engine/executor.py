@@ -137,11 +137,11 @@ class Executor:
 
     @torch.inference_mode()
     def launch(self, chunks: list[Chunk], plan: RowPlan | None,
-               prev: Launched | None = None, defer: bool = False) -> Launched:
+               prev: Launched | None = None) -> Launched:
         """Queue one step and the copies of its results (the rows `plan` names); chunks queued
         ahead take their input tokens from prev's samples on the device. Never waits for the
-        device on the graph path. defer: sampling waits for finish_sampling (guided rows queued
-        ahead: their masks follow prev's tokens)."""
+        device on the graph path. Guided rows queued ahead: sampling waits for finish_sampling
+        (their masks follow prev's tokens)."""
         sources = sources_of(chunks, prev)
         sampled = [c.samples for c in chunks]
         if self.peers is not None:
@@ -154,7 +154,7 @@ class Executor:
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
             pending = (logits, sampling, greedy if graph else None, len(sampling) == len(chunks))
-            if not defer:
+            if prev is None or all(c.seq.grammar is None for c in sampling):
                 tokens, logprobs = self._tokens(*pending)
                 pending = None
         rows = None

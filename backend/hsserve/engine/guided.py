@@ -16,6 +16,7 @@ import threading
 import torch
 
 from hsserve.kernels import cpu_ops
+from hsserve.kernels.bitmask import apply_bitmask_triton, bitmask_ref
 from hsserve.request import GuidedDecoding, RequestError
 
 log = logging.getLogger(__name__)
@@ -92,20 +93,14 @@ def fill_bitmask(matchers: list, vocab_size: int, pin: bool = False) -> torch.Te
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab] with the tokens bitmask forbids at -inf (a new tensor): the CPU
-    kernel where it is built, else this torch reference."""
+    """logits [rows, vocab] with the tokens bitmask forbids at -inf (a new tensor, or on CUDA
+    the mask kernel's workspace): the CPU or GPU kernel, else the torch reference."""
+    if logits.device.type == "cuda" and logits.dtype == torch.float32:
+        return apply_bitmask_triton(logits, bitmask.to(logits.device, non_blocking=True))
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous() \
             and cpu_ops.library() is not None:
         return cpu_ops.mask_logits(logits, bitmask.contiguous())
-    return reference_apply_bitmask(logits, bitmask)
-
-
-def reference_apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[1]
-    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).reshape(len(bitmask), -1)
-    return logits.masked_fill(allowed[:, :vocab] == 0, float("-inf"))
+    return bitmask_ref(logits, bitmask)
 
 
 def advance(matcher, token: int) -> bool:

@@ -4,8 +4,7 @@ thread; each request's deltas go to its sink from the loop thread.
 A step: schedule -> launch -> complete the previous step (tokens, rows, deltas). With async
 scheduling (on CUDA by default) step t+1 is launched before step t is read, for the sequences t
 sampled (scheduler.schedule_ahead), so the loop's host work overlaps the device's
-(bench/README.md#async-scheduling). Only the loop thread touches the scheduler, the pool, the
-executor and the hidden rows.
+(bench/README.md#async-scheduling). Only the loop thread touches scheduler, pool, executor, rows.
 """
 
 from __future__ import annotations
@@ -338,8 +337,7 @@ class Engine:
 
     def _launch(self, chunks: list[Chunk], prev: Launched | None) -> Launched:
         self.rows.settle()  # NOTE: before a replay may rewrite the rows of the last graph step
-        step = self.executor.launch(chunks, self.rows.plan(chunks), prev, defer=prev is not None
-                                    and any(c.seq.grammar is not None for c in chunks))
+        step = self.executor.launch(chunks, self.rows.plan(chunks), prev)
         self.rows.launched(step)
         self.num_steps += 1
         self.num_ahead_steps += prev is not None
