@@ -5,8 +5,8 @@
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
 # PART: tests spec_tests fp8_tests fp8_gemm fp8_graph fp8_8b fp8_70b triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
 # profile1 host logprobs extract8b extract_spy moe moe_kernels moe_profile ablation tp_tests tp8b tp70b
-# two_instances route64 (batch 64 routed by torch vs route_align) guided (carry .whl/tok: SmolLM2's
-# tokenizer files) none. The one-off A/B scripts'
+# two_instances route64 (batch 64 routed by torch vs route_align) guided openai (both carry .whl/tok:
+# SmolLM2's tokenizer files) none. The one-off A/B scripts'
 # parts went with them (bench/archive/, last at e9f3215).
 set -u
 cd "$(dirname "$0")/.."
@@ -103,6 +103,9 @@ for part in $parts; do
                --out "$OUT/h200_route_ab_b${BATCH:-64}.json" 2>&1 | grep -v "^\[W" | tail -8 ;;
     guided) timeout 300 python3 bench/guided_cost.py --shape llama-1b --tokenizer .whl/tok --long 200 \
               --out "$OUT/${GUIDED_OUT:-h200_guided_cost}.json" 2>&1 | grep -v "^\[W\|Warning" | tail -8 ;;
+    openai) timeout 400 python3 bench/openai_gateway.py --shape llama-1b --tokenizer .whl/tok \
+              --concurrency 64 --out "$OUT/${OPENAI_OUT:-h200_openai_gateway}.json" 2>&1 \
+              | grep -v "^[IW]1\|^\[W" | tail -6 ;;
     none) ;;  # NOTE: the set-up only
     *) echo "gpu_session.sh: unknown part $part" >&2 ;;
   esac

@@ -8,6 +8,8 @@ both with the same client (server-sent events, http.client threads). Measured in
 round, --repeats rounds, medians; tok/s = output tokens / wall time.
 
     python bench/openai_gateway.py [--concurrency 32] [--repeats 3]
+    python3 bench/openai_gateway.py --shape llama-1b --tokenizer .whl/tok --concurrency 64 \
+        --out $OUT/h200_openai_gateway.json        # GPU: random bf16 weights (gpu_session.sh openai)
 """
 
 from __future__ import annotations
@@ -59,10 +61,10 @@ def grpc_side(url: str):
     return one
 
 
-def start_gateway(grpc_url: str, port: int, log: str) -> subprocess.Popen:
+def start_gateway(grpc_url: str, port: int, repo: str, log: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "hsserve.cli", "openai", "--host", "127.0.0.1",
                              "--port", str(port), "--grpc-url", grpc_url, "--model-repository",
-                             REPO, "--served-model-name", "smol"],
+                             repo, "--served-model-name", "smol"],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while True:
@@ -79,18 +81,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shape", default="", help="GPU: a bench/shapes.py shape, random weights")
+    ap.add_argument("--tokenizer", default="", help="GPU: a folder with SmolLM2's tokenizer files")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "openai_gateway_cpu.json"))
     args = ap.parse_args()
-    ensure_default_model(os.environ.get("HSSERVE_CACHE_DIR") or default_cache_dir())
     root = tempfile.mkdtemp()
-    server = start_server(REPO, log_path=os.path.join(root, "triton.log"))
+    repo = REPO
+    if args.shape:
+        from guided_cost import model_folder
+        from triton_stream_vs_direct import gpu_repository
+
+        repo = gpu_repository(model_folder(args.shape, args.tokenizer), os.path.join(root, "r"),
+                              {"max_num_seqs": "64"})
+    else:
+        ensure_default_model(os.environ.get("HSSERVE_CACHE_DIR") or default_cache_dir())
+    server = start_server(repo, log_path=os.path.join(root, "triton.log"))
     gateway = None
     rounds: dict[int, list[dict]] = {c: [] for c in args.concurrency}
     try:
         server.wait_ready(timeout=600, models=("llm",))
         port = free_ports(1)[0]
-        gateway = start_gateway(server.grpc_url, port, os.path.join(root, "gateway.log"))
+        gateway = start_gateway(server.grpc_url, port, repo, os.path.join(root, "gateway.log"))
         sides = {"grpc": grpc_side(server.grpc_url), "http": ours(server.ports.http),
                  "openai": vllm(port, "smol")}
         for side in sides.values():  # NOTE: warm-up
@@ -115,7 +127,8 @@ def main() -> None:
         rows.append({"concurrency": c, **med,
                      "openai_over_grpc": round(med["openai_tok_s"] / med["grpc_tok_s"], 3),
                      "openai_over_http": round(med["openai_tok_s"] / med["http_tok_s"], 3)})
-    write_result(args.out, {"benchmark": "openai_gateway", "model": "SmolLM2-135M float32 (CPU)",
+    model = f"{args.shape} random bf16 (GPU)" if args.shape else "SmolLM2-135M float32 (CPU)"
+    write_result(args.out, {"benchmark": "openai_gateway", "model": model,
                             "prompt_len": 64, "new_tokens": NEW, "repeats": args.repeats,
                             "rows": rows})
     for row in rows:
