@@ -3,8 +3,8 @@ completion, and the token bitmask the sampler applies to that row's logits.
 
 The mask touches only what is sampled: logits, log-probabilities (the model's own, before any
 processing) and hidden rows are computed as without it. A guided step queued ahead of the previous
-one is sampled only once that one is read (its masks follow those tokens: Executor.launch's
-defer); a guided sequence never drafts.
+one is sampled only once that one is read (its masks follow those tokens:
+Executor.finish_sampling); a guided sequence never drafts.
 """
 
 from __future__ import annotations
