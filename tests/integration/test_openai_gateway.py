@@ -232,3 +232,30 @@ def test_lm_eval_local_completions_scores_equal_transformers(gateway, smollm_dir
     gen = {s["doc_id"]: s["filtered_resps"] for s in served["samples"]["hs_gen"]}
     assert gen == {s["doc_id"]: s["filtered_resps"] for s in hf["samples"]["hs_gen"]}
     assert served["results"]["hs_mc"]["acc,none"] >= 0.5  # NOTE: SmolLM2 knows these
+
+
+def test_a_client_leaving_a_whole_answer_cancels_its_requests(gateway, triton_server):
+    """A non-streamed request whose client disconnects stops generating at once (its Triton
+    requests cancelled), not after its 3,000 tokens (~a minute here)."""
+    import http.client
+    import socket
+
+    from triton_helpers import metrics
+
+    host, port = gateway.split("//")[1].split("/")[0].split(":")
+    url = f"http://127.0.0.1:{triton_server.ports.metrics}/metrics"
+    conn = http.client.HTTPConnection(host, int(port), timeout=3)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": "smol", "prompt": "Tell a long story.", "max_tokens": 3000, "ignore_eos": True}),
+        {"Content-Type": "application/json"})
+    deadline = time.time() + 30
+    while metrics(url, "llm").get("llm_requests_running", 0) < 1:
+        assert time.time() < deadline, "the request never ran"
+        time.sleep(0.2)
+    with pytest.raises(socket.timeout):
+        conn.getresponse()
+    conn.close()
+    deadline = time.time() + 20
+    while metrics(url, "llm").get("llm_requests_running", 0) > 0:
+        assert time.time() < deadline, "the engine still generates for a client that left"
+        time.sleep(0.2)

@@ -3,7 +3,8 @@ streams ending in `data: [DONE]`), /health.
 
 A request's prompts each get a Triton stream; a streamed answer starts only after every stream's
 first response, so a request the engine refuses is a 400 naming the field, never a broken
-stream. Leaving a stream early cancels its Triton requests.
+stream. A client that leaves early (a stream, or the wait for a whole answer) cancels its Triton
+requests.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from hsserve.gateway.errors import ApiError, from_backend
 from hsserve.gateway.params import Generation
 from hsserve.gateway.prompts import Prompts
 
+_WATCH_S = 0.5  # NOTE: how often a whole answer in progress checks that its client is still there
+
 
 @dataclass
 class Job:
@@ -33,6 +36,16 @@ class Job:
     pieces: object = None  # the backend's async iterator
     echo_lps: tuple | None = None  # (logprobs, tops) of the prompt, once they arrived
     waiting: list = field(default_factory=list)  # echoed choices held until echo_lps came
+
+    def note_prompt(self, p: Piece, k: int) -> None:
+        """Keep the prompt's logprobs (k alternatives) when this piece carries them."""
+        if p.prompt_logprobs is not None and self.echo_lps is None:
+            self.echo_lps = render.prompt_entries(p, k)
+
+    def echo(self) -> tuple:
+        """(text, ids, logprobs, tops) of the prompt, for an echoed choice."""
+        lps, tops = self.echo_lps or ([None] * len(self.ids), [None] * len(self.ids))
+        return self.text, list(self.ids), list(lps), list(tops)
 
 
 def _chunk(rid: str, gen: Generation, created: int, choices: list, **extra) -> str:
@@ -51,7 +64,8 @@ class Gateway:
         return {"object": "list", "data": [{"id": n, "object": "model", "created": self.created,
                                             "owned_by": "hsserve"} for n in self.names]}
 
-    def jobs(self, gen: Generation, rid: str) -> list[Job]:
+    def jobs(self, gen: Generation) -> tuple[str, list[Job]]:
+        """The answer's id and its prompts' Jobs, each with its Triton stream opened."""
         if gen.model not in self.names:
             raise ApiError(f"model: {gen.model!r} does not exist; served: {self.names}",
                            param="model", status=404, code="model_not_found")
@@ -63,14 +77,14 @@ class Gateway:
                 ids = self.prompts.ids(p)
                 text = p if isinstance(p, str) else (self.prompts.text(ids) if gen.echo else "")
                 out.append(Job(i, text, ids))
+        rid = ("chatcmpl-" if gen.chat else "cmpl-") + uuid.uuid4().hex
         for job in out:
             job.pieces = self.backend.generate(f"{rid}-{job.index}", job.ids, gen.settings,
                                                gen.stream, gen.n).__aiter__()
-        return out
+        return rid, out
 
     async def answer(self, gen: Generation) -> dict:
-        rid = ("chatcmpl-" if gen.chat else "cmpl-") + uuid.uuid4().hex
-        jobs = self.jobs(gen, rid)
+        rid, jobs = self.jobs(gen)
         gathered = await asyncio.gather(*[self._collect(gen, j) for j in jobs],
                                         return_exceptions=True)
         for g in gathered:
@@ -79,7 +93,7 @@ class Gateway:
         choices, completion = [], 0
         for job, chosen in zip(jobs, gathered):
             for j, c in enumerate(chosen):
-                echo = self._echo(gen, job) if gen.echo else None
+                echo = job.echo() if gen.echo else None
                 choices.append(render.choice_json(gen, self.prompts, job.index * gen.n + j, c,
                                                   echo))
                 completion += c.num_output_tokens
@@ -90,22 +104,13 @@ class Gateway:
     async def _collect(self, gen: Generation, job: Job) -> list[render.Choice]:
         choices = [render.Choice() for _ in range(gen.n)]
         async for p in job.pieces:
-            self._note_prompt(gen, job, p)
+            job.note_prompt(p, gen.logprobs or 0)
             choices[p.index].add(p)
         return choices
 
-    def _note_prompt(self, gen: Generation, job: Job, p: Piece) -> None:
-        if p.prompt_logprobs is not None and job.echo_lps is None:
-            job.echo_lps = render.prompt_entries(p, gen.logprobs or 0)
-
-    def _echo(self, gen: Generation, job: Job) -> tuple:
-        lps, tops = job.echo_lps or ([None] * len(job.ids), [None] * len(job.ids))
-        return job.text, list(job.ids), list(lps), list(tops)
-
     async def start_stream(self, gen: Generation):
         """The SSE body's iterator, after every prompt's first response (errors raised here)."""
-        rid = ("chatcmpl-" if gen.chat else "cmpl-") + uuid.uuid4().hex
-        jobs = self.jobs(gen, rid)
+        rid, jobs = self.jobs(gen)
         firsts = await asyncio.gather(*[j.pieces.__anext__() for j in jobs],
                                       return_exceptions=True)
         bad = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -118,7 +123,7 @@ class Gateway:
         return self._sse(gen, rid, jobs, firsts)
 
     async def _sse(self, gen: Generation, rid: str, jobs: list[Job], firsts: list[Piece]):
-        stream = _Stream(self, gen, rid)
+        stream = _Stream(self.prompts, gen, rid)
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(job: Job) -> None:
@@ -161,8 +166,8 @@ class Gateway:
 class _Stream:
     """A streamed answer's state: which choices started, their text offsets, token counts."""
 
-    def __init__(self, gw: Gateway, gen: Generation, rid: str):
-        self.gw, self.gen, self.rid = gw, gen, rid
+    def __init__(self, prompts: Prompts, gen: Generation, rid: str):
+        self.prompts, self.gen, self.rid = prompts, gen, rid
         self.created = int(time.time())
         self.started: set[tuple[int, int]] = set()
         self.offsets: dict[tuple[int, int], int] = {}
@@ -170,7 +175,7 @@ class _Stream:
 
     def emit(self, job: Job, p: Piece) -> list[str]:
         gen = self.gen
-        self.gw._note_prompt(gen, job, p)
+        job.note_prompt(p, gen.logprobs or 0)
         if gen.echo and gen.logprobs is not None and job.echo_lps is None:
             job.waiting.append(p)  # NOTE: n > 1: a choice came before the prompt's logprobs
             return []
@@ -181,9 +186,9 @@ class _Stream:
         key = (job.index, p.index)
         first = key not in self.started
         self.started.add(key)
-        echo = self.gw._echo(self.gen, job) if first and self.gen.echo else None
+        echo = job.echo() if first and self.gen.echo else None
         offset = self.offsets.get(key, 0)
-        choice = render.chunk_choice(self.gen, self.gw.prompts, job.index * self.gen.n + p.index,
+        choice = render.chunk_choice(self.gen, self.prompts, job.index * self.gen.n + p.index,
                                      p, first, echo, offset)
         self.offsets[key] = offset + len(p.text) + (len(echo[0]) if echo else 0)
         if p.finish_reason is not None:
@@ -208,20 +213,26 @@ def create_app(gw: Gateway):
             raise ApiError("the body must be a JSON object")
         return body
 
-    async def run(gen: Generation):
+    async def run(gen: Generation, request: Request):
         if gen.stream:
             lines = await gw.start_stream(gen)
             return StreamingResponse(lines, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await gw.answer(gen))
+        answer = asyncio.ensure_future(gw.answer(gen))
+        while not (await asyncio.wait({answer}, timeout=_WATCH_S))[0]:
+            if await request.is_disconnected():  # NOTE: cancelling ends its Triton requests
+                answer.cancel()
+                return JSONResponse(ApiError("the client disconnected", status=499,
+                                             kind="cancelled").body(), status_code=499)
+        return JSONResponse(answer.result())
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run(params.completion(await body_of(request)))
+        return await run(params.completion(await body_of(request)), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run(params.chat(await body_of(request)))
+        return await run(params.chat(await body_of(request)), request)
 
     @app.get("/v1/models")
     async def models():
