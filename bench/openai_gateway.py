@@ -9,7 +9,7 @@ round, --repeats rounds, medians; tok/s = output tokens / wall time.
 
     python bench/openai_gateway.py [--concurrency 32] [--repeats 3]
     python3 bench/openai_gateway.py --shape llama-1b --tokenizer .whl/tok --concurrency 64 \
-        --out $OUT/h200_openai_gateway.json        # GPU: random bf16 weights (gpu_session.sh openai)
+        --out $OUT/h200_openai_gateway.json   # GPU, random bf16 weights (gpu_session.sh openai)
 """
 
 from __future__ import annotations

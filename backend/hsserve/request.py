@@ -59,8 +59,9 @@ GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 @dataclass(frozen=True)
 class GuidedDecoding:
     """Structured output: the text must match a JSON schema, a regex, one of the choices, an EBNF
-    grammar or any JSON object (vLLM's `guided_decoding` names). `value` is the schema as
-    canonical JSON, the regex or grammar, the choices as a JSON list, or "" for json_object."""
+    grammar or any JSON object (vLLM's `guided_decoding` names). `value` is the schema as JSON
+    (its key order kept), the regex or grammar, the choices as a JSON list, or "" for
+    json_object."""
 
     kind: str
     value: str
@@ -69,10 +70,7 @@ class GuidedDecoding:
     def parse(cls, name: str, raw) -> GuidedDecoding:
         """From the request's JSON object (or its text); RequestError names the field."""
         if isinstance(raw, (str, bytes)):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise RequestError(name, f"is not valid JSON: {e.msg}") from None
+            raw = _json_text(name, raw)
         if not isinstance(raw, dict):
             raise RequestError(name, f"must be an object with one of {list(GUIDED_KINDS)}")
         unknown = sorted(set(raw) - set(GUIDED_KINDS) - {"backend"})
@@ -87,6 +85,13 @@ class GuidedDecoding:
         return cls(kind, _guided_value(f"{name}.{kind}", kind, raw[kind]))
 
 
+def _json_text(name: str, text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(name, f"is not valid JSON: {e.msg}") from None
+
+
 def _guided_value(name: str, kind: str, v) -> str:
     if kind == "json_object":
         if v is not True:
@@ -94,10 +99,7 @@ def _guided_value(name: str, kind: str, v) -> str:
         return ""
     if kind == "json":
         if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError as e:
-                raise RequestError(name, f"is not valid JSON: {e.msg}") from None
+            v = _json_text(name, v)
         if not isinstance(v, (dict, bool)):
             raise RequestError(name, "must be a JSON schema (an object)")
         return json.dumps(v)  # NOTE: key order kept: it is the order properties are generated in

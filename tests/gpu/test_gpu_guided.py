@@ -51,8 +51,10 @@ def test_gpu_guided_decode_in_graphs_with_exact_rows(folder):
             sampling=SamplingParams(max_tokens=40, temperature=0.0,
                                     guided=GuidedDecoding.parse("guided_decoding", k))))
             for i, k in enumerate(kinds)]
-        plain = [engine.submit(GenerationRequest(f"p{i}", prompt=f"Plain {i}", sampling=SamplingParams(
-            max_tokens=30, ignore_eos=True))) for i in range(2)]
+        plain = [engine.submit(GenerationRequest(f"p{i}", prompt=f"Plain {i}",
+                                                 sampling=SamplingParams(max_tokens=30,
+                                                                         ignore_eos=True)))
+                 for i in range(2)]
         results = [s.result(timeout=300) for s in streams]
         assert all(len(s.result(timeout=300).token_ids) == 30 for s in plain)
         assert engine.num_graph_captures == captures

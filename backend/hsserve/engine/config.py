@@ -26,7 +26,8 @@ class EngineConfig:
     dtype: str = "auto"
     load_format: str = "auto"  # auto: the folder's safetensors; dummy: random weights (benchmarks)
     # NOTE: fp8 / fp8_dynamic: a bf16 / float32 checkpoint's linears quantized at load
-    # (models/fp8.py; fp8_dynamic rounds their inputs per token too); a float8 checkpoint (its quantization_config) loads as it is either way
+    # (models/fp8.py; fp8_dynamic rounds their inputs per token too); a float8 checkpoint (its
+    # quantization_config) loads as it is either way
     quantization: str = "none"
     device: str = "auto"  # auto = cuda when available, else cpu
     hidden_states_ceiling: HiddenStatesMode = HiddenStatesMode.FULL

@@ -80,6 +80,8 @@ class Grammars:
 def fill_bitmask(matchers: list, vocab_size: int, pin: bool = False) -> torch.Tensor | None:
     """Per sampled row its allowed tokens as bits (int32 [rows, ceil(vocab / 32)], -1 = every
     token), or None when no row is guided. pin: in pinned memory (its upload never waits)."""
+    if all(m is None for m in matchers):  # NOTE: most steps: nobody guided
+        return None
     # NOTE: a terminated matcher: its sequence ended while a step was queued ahead (a void row)
     matchers = [None if m is None or m.is_terminated() else m for m in matchers]
     if all(m is None for m in matchers):

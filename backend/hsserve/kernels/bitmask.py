@@ -1,9 +1,9 @@
 """Guided decoding's token mask on the GPU: logits where a row's bitmask allows, else -inf.
 
 One program per (row, slice of the vocabulary) reads the slice's bitmask words. The result goes
-to a workspace kept per device (grown, never shrunk) so that a step allocates nothing: with the
-KV cache holding most of the memory, a fresh 16 MB tensor a step can send the caching allocator
-into a synchronizing free-and-retry. Reference: bitmask_ref (the CPU and test oracle).
+to a workspace kept per device (grown, never shrunk), so that a guided step allocates no
+vocabulary-sized tensors (the torch reference makes four). Reference: bitmask_ref (the CPU and
+test oracle).
 """
 
 from __future__ import annotations

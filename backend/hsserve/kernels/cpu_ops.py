@@ -180,7 +180,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [R, V] float32 with the tokens int32 bitmask [R, W] forbids at -inf (a new
-    tensor; guided.apply_bitmask is the reference)."""
+    tensor; kernels/bitmask.py's bitmask_ref is the reference)."""
     r, v = logits.shape
     assert logits.is_contiguous() and bitmask.is_contiguous() and bitmask.shape[1] * 32 >= v
     out = torch.empty_like(logits)
