@@ -59,7 +59,7 @@ def test_local_rows_equal_transformers(dataset, tmp_path, hf_model, smollm_dir, 
 
 
 def test_eagle3_layers():
-    from hsserve.extract.run import eagle3_layers
+    from hsserve.models.eagle3 import default_aux_layers as eagle3_layers
 
     assert eagle3_layers(32) == (2, 16, 29) and eagle3_layers(30) == (2, 15, 27)
 

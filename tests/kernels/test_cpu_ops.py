@@ -206,7 +206,7 @@ def test_engine_with_and_without_the_library_agree(family, tiny_model_dir, monke
     def run():
         engine = Engine(EngineConfig(model=tiny_model_dir(family), device="cpu")).start()
         try:
-            assert engine.executor.cpu_kernels == (cpu_ops.library() is not None)
+            assert engine.executor.plan.cpu_kernels == (cpu_ops.library() is not None)
             sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
             streams = [engine.submit(GenerationRequest(
                 f"r{i}", prompt_ids=p, sampling=sp, hidden_mode=HiddenStatesMode.FULL,

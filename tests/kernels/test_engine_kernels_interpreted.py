@@ -58,7 +58,7 @@ def test_engine_on_kernels_equals_reference(tiny_model_dir, family, modes, monke
                               enable_prefix_caching=False)).start()
     ours = Engine(EngineConfig(model=folder, device="cpu", block_size=16, max_num_seqs=4,
                                max_num_batched_tokens=24)).start()
-    ours.executor.kernels = True  # NOTE: what CUDA selects; the interpreter runs the kernels here
+    ours.executor.plan.kernels = True  # NOTE: what CUDA selects; the interpreter runs the kernels here
     try:
         for mode in modes:
             want = run(ref, mode, f"ref-{mode.label}")

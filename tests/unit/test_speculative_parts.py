@@ -55,7 +55,10 @@ def test_verified_tokens_follow_the_targets_joint_distribution():
 
 @pytest.mark.parametrize("kw, word", [
     (dict(speculative_method="medusa"), "speculative_method"),
-    (dict(speculative_method="eagle3", speculative_model="/x"), "eagle3 is not available"),
+    (dict(speculative_method="eagle3", num_speculative_tokens=3), "speculative_model: required"),
+    (dict(speculative_method="eagle3", num_speculative_tokens=3, speculative_model="/x"),
+     "speculative_model: '/x' is not a folder"),
+    (dict(speculative_method="eagle3", speculative_model="/x"), "num_speculative_tokens: 0"),
     (dict(num_speculative_tokens=4), "num_speculative_tokens: set while"),
     (dict(ngram_max=3), "ngram_max: set while"),
     (dict(speculative_method="ngram"), "num_speculative_tokens: 0 must be in 1..32"),

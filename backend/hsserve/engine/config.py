@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -59,8 +60,9 @@ class EngineConfig:
     num_threads: int = 0  # CPU torch threads; 0 = torch's default
     # NOTE: ranks the model is split over (processes of the engine's own; GPUs from the engine's)
     tensor_parallel_size: int = 1
-    # NOTE: speculative decoding (engine/speculative.py): none | ngram; k tokens proposed a step;
-    # ngram_min / ngram_max: the suffix lengths prompt lookup tries (0: 1 and 4)
+    # NOTE: speculative decoding (engine/speculative.py): none | ngram | eagle3; k tokens proposed
+    # a step; ngram_min / ngram_max: the suffix lengths prompt lookup tries (0: 1 and 4);
+    # speculative_model: eagle3's head (a folder, models/eagle3.py)
     speculative_method: str = "none"
     num_speculative_tokens: int = 0
     speculative_model: str = ""
@@ -118,8 +120,6 @@ def check_speculative(c: EngineConfig) -> None:
     method, k = c.speculative_method, c.num_speculative_tokens
     if method not in ("none", "ngram", "eagle3"):
         raise ConfigError(f"speculative_method: {method!r}; allowed: none, ngram, eagle3")
-    if method == "eagle3":  # NOTE: the draft head's loader and forward are not built yet
-        raise ConfigError("speculative_method: eagle3 is not available yet; allowed now: none, ngram")
     if method == "none":
         for name in ("num_speculative_tokens", "speculative_model", "ngram_min", "ngram_max"):
             if getattr(c, name):
@@ -131,6 +131,9 @@ def check_speculative(c: EngineConfig) -> None:
     if k >= c.max_num_batched_tokens:
         raise ConfigError(f"num_speculative_tokens: {k} must be < max_num_batched_tokens "
                           f"({c.max_num_batched_tokens})")
+    if method == "eagle3":
+        check_eagle3(c)
+        return
     if c.speculative_model:
         raise ConfigError("speculative_model: a draft model is for eagle3; ngram proposes from "
                           "the sequence itself")
@@ -140,6 +143,22 @@ def check_speculative(c: EngineConfig) -> None:
     lo, hi = c.ngram_range
     if lo > hi:
         raise ConfigError(f"ngram_min: {lo} must be <= ngram_max ({hi})")
+
+
+def check_eagle3(c: EngineConfig) -> None:
+    """The head's folder is read at load (models/eagle3.py names what does not fit)."""
+    if not c.speculative_model:
+        raise ConfigError("speculative_model: required with speculative_method eagle3 (a folder "
+                          "with the EAGLE-3 head's config.json and weights)")
+    if not os.path.exists(os.path.join(c.speculative_model, "config.json")):
+        raise ConfigError(f"speculative_model: {c.speculative_model!r} is not a folder with "
+                          "config.json")
+    for name in ("ngram_min", "ngram_max"):
+        if getattr(c, name):
+            raise ConfigError(f"{name}: prompt lookup's; set while speculative_method is eagle3")
+    if c.tensor_parallel_size > 1:
+        raise ConfigError("speculative_method: eagle3 runs with tensor_parallel_size 1 only "
+                          "(allowed with more ranks: none, ngram)")
 
 
 def parse_fields(cls, params: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hsserve.engine.cuda_graphs import DecodeGraphs
+from hsserve.engine.drafter import Eagle3Drafter
 from hsserve.engine.step_rows import RowPlan, StepRows
 from hsserve.engine.logprobs import PromptLogprobs, prompt_logprobs, step_logprobs
 from hsserve.engine.ranks import Ranks
@@ -20,11 +21,9 @@ from hsserve.engine.guided import fill_bitmask
 from hsserve.engine.sampler import banned_tokens, sample
 from hsserve.engine.transfer import download, upload
 from hsserve.engine.types import Chunk, Launched
-from hsserve.kernels import cpu_ops, kernels_supported
-from hsserve.kernels.paged_prefill_attention import varlen_metadata
-from hsserve.models.attention_batch import AttentionBatch, Span, visible_keys
+from hsserve.engine.attention_plan import AttentionPlanner
 from hsserve.models.decoder import Decoder
-from hsserve.models.hidden_capture import HiddenCapture
+from hsserve.models.hidden_capture import HiddenCapture, Taps
 
 
 def sources_of(chunks: list[Chunk], prev: Launched | None) -> list[int]:
@@ -41,17 +40,11 @@ class Executor:
         self.model = model
         self.graphs: DecodeGraphs | None = None  # set by engine setup on CUDA
         self.peers: Ranks | None = None  # NOTE: tensor parallel: the other ranks, told each step
+        self.drafter: Eagle3Drafter | None = None  # NOTE: EAGLE-3 (set by engine setup)
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.device = kv_cache.device
-        self.window = model.spec.sliding_window
-        # NOTE: layers of two windows (Gemma 3): the torch path builds the sliding layers' masks too
-        self.layer_window = next((w for w in model.spec.layer_windows if w is not None), None)
-        self.dtype = model.embed.dtype
-        self.kernels = kernels_supported(self.device, block_size, model.spec.head_dim)
-        self.cpu_kernels = self.device.type == "cpu" and cpu_ops.supports(
-            self.dtype, model.spec.num_heads, model.spec.head_dim)
-        self.group = model.spec.num_heads // model.spec.num_kv_heads
+        self.plan = AttentionPlanner(model.spec, self.device, model.embed.dtype, block_size)
         self.eos_ids = frozenset(model.spec.eos_token_ids)
         self._sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
         self.num_graph_steps = 0  # NOTE: steps that replayed a captured graph
@@ -64,76 +57,6 @@ class Executor:
         """The last step's samples, on the device, where a step queued ahead reads its inputs
         (the decode graphs read them from their own static buffer)."""
         return self.graphs.sampled if self.graphs is not None else self._sampled
-
-    def _slot(self, block_table: list[int], position: int) -> int:
-        """Where the K/V of the token at `position` goes in the cache (a flat slot index)."""
-        bs = self.block_size
-        return block_table[position // bs] * bs + position % bs
-
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        return [self._slot(block_table, p) for p in range(start, end)]
-
-    def _attention_batch(self, chunks: list[Chunk], slot_mapping: list[int]) -> AttentionBatch:
-        batch = self._batch_for(chunks, slot_mapping, self.window)
-        if self.layer_window is not None and not self.kernels:
-            batch.windowed = self._batch_for(chunks, slot_mapping, self.layer_window)
-        return batch
-
-    def _batch_for(self, chunks: list[Chunk], slot_mapping: list[int],
-                   window: int | None) -> AttentionBatch:
-        dev = self.device
-        batch = AttentionBatch(slot_mapping=torch.tensor(slot_mapping, device=dev),
-                               kernels=self.kernels, cpu_kernels=self.cpu_kernels)
-        decode = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
-        row = 0
-        rows_of = []
-        for c in chunks:
-            rows_of.append(row)
-            row += c.num_tokens
-        if self.kernels and len(decode) < len(chunks):
-            bs = self.block_size
-            batch.varlen = varlen_metadata(
-                [(rows_of[i], c.num_tokens, c.start, c.seq.block_table[: -(-c.end // bs)])
-                 for i, c in enumerate(chunks)], self.group, dev)
-            return batch
-        if decode:
-            bs = self.block_size
-            num_blocks = max(-(-c.end // bs) for _, c in decode)
-            tables = [c.seq.block_table[:num_blocks] for _, c in decode]
-            batch.decode_rows = torch.tensor([rows_of[i] for i, _ in decode], device=dev)
-            batch.decode_block_tables = torch.tensor(
-                [t + [0] * (num_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev
-            )
-            lens = torch.tensor([c.end for _, c in decode], dtype=torch.int32, device=dev)
-            batch.decode_seq_lens = lens
-            if not (self.kernels or self.cpu_kernels):  # NOTE: the kernels read the lengths
-                keys = torch.arange(num_blocks * bs, device=dev)
-                mask = keys[None, :] < lens[:, None]
-                if window is not None:
-                    mask &= keys[None, :] > lens[:, None] - 1 - window
-                bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev)
-                batch.decode_bias = bias.masked_fill_(~mask, float("-inf"))
-        groups: list[tuple[int, int, list[list[int]], torch.Tensor | None]] = []
-        for i, c in enumerate(chunks):
-            if c.num_tokens == 1:
-                continue
-            slots = self._slots(c.seq.block_table, 0, c.end)
-            plain = c.start == 0 and (window is None or c.end <= window)
-            if plain and groups:
-                start, n, members, mask = groups[-1]
-                # NOTE: equal fresh prompts in consecutive rows share one attention call
-                if mask is None and n == c.num_tokens and start + n * len(members) == rows_of[i]:
-                    members.append(slots)
-                    continue
-            mask = None
-            if not plain:
-                mask = visible_keys(torch.arange(c.start, c.end, device=dev), c.end, window)
-            groups.append((rows_of[i], c.num_tokens, [slots], mask))
-        batch.spans = [
-            Span(start, n, torch.tensor(members, device=dev), mask)
-            for start, n, members, mask in groups
-        ]
-        return batch
 
     @torch.inference_mode()
     def launch(self, chunks: list[Chunk], plan: RowPlan | None,
@@ -148,8 +71,13 @@ class Executor:
             self.peers.send(chunks, sources, sampled, plan is not None and bool(plan.with_rows))
         graph = self._takes_graph(chunks)
         self.num_graph_steps += graph
-        forward = self._forward_graph if graph else self._forward_eager
-        logits, block, layers, greedy, prompt = forward(chunks, sources, sampled, plan)
+        aux = self.drafter.tap(chunks) if self.drafter is not None else None
+        if graph:
+            logits, block, layers, greedy, prompt = self._forward_graph(chunks, sources, sampled,
+                                                                        plan)
+        else:
+            logits, block, layers, greedy, prompt = self._forward_eager(chunks, sources, sampled,
+                                                                        plan, aux)
         tokens = logprobs = pending = None
         if logits is not None:
             sampling = [c for c, f in zip(chunks, sampled) if f]
@@ -169,7 +97,7 @@ class Executor:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Launched(chunks, sampled, tokens, rows, plan, done, logprobs, prompt, pending)
+        return Launched(chunks, sampled, tokens, rows, plan, done, logprobs, prompt, pending, aux)
 
     def finish_sampling(self, step: Launched) -> None:
         """Sample a step launched with defer (its done event then follows the samples' copy)."""
@@ -183,7 +111,8 @@ class Executor:
 
     def _takes_graph(self, chunks: list[Chunk]) -> bool:
         g = self.graphs
-        return g is not None and len(chunks) <= g.max_batch and all(c.num_tokens == 1 for c in chunks)
+        return (g is not None and self.drafter is None and len(chunks) <= g.max_batch
+                and all(c.num_tokens == 1 for c in chunks))
 
     @torch.inference_mode()
     def follow(self, chunks: list[Chunk], sources: list[int], sampled: list[bool],
@@ -247,9 +176,17 @@ class Executor:
 
     def complete(self, step: Launched) -> list[int | list[int] | None]:
         """Wait for a launched step: per chunk its sampled token (a chunk with a draft: the
-        target's token at each of its rows, a list), None where none was."""
+        target's token at each of its rows, a list), None where none was; with EAGLE-3 the
+        head then drafts from them."""
         if step.done is not None:
             step.done.synchronize()
+        tokens = self._per_chunk(step)
+        if self.drafter is not None:
+            self.drafter.draft(step, tokens)
+        return tokens
+
+    @staticmethod
+    def _per_chunk(step: Launched) -> list[int | list[int] | None]:
         flat = step.tokens.tolist() if step.tokens is not None else []
         if len(flat) == sum(step.sampled):
             it = iter(flat)
@@ -262,7 +199,7 @@ class Executor:
         return out
 
     def _forward_eager(self, chunks: list[Chunk], sources: list[int], sampled: list[bool],
-                       plan: RowPlan | None):
+                       plan: RowPlan | None, aux: HiddenCapture | None = None):
         ids, positions, slot_mapping, row_sources = [], [], [], []
         logit_rows, capture_rows = [], []
         row = 0
@@ -271,7 +208,7 @@ class Executor:
             ids += [0] if c.ahead else c.input_ids()
             row_sources += [src] * c.num_tokens
             positions += range(c.start, c.end)
-            slot_mapping += self._slots(seq.block_table, c.start, c.end)
+            slot_mapping += self.plan.slots(seq.block_table, c.start, c.end)
             if samples:  # NOTE: a draft's chunk: every row, the target's view of each position
                 logit_rows += range(row + c.num_tokens - c.num_samples, row + c.num_tokens)
             if plan is not None and plan.slices[i][1]:  # NOTE: a chunk's rows are its last ones
@@ -279,7 +216,7 @@ class Executor:
                 capture_rows += range(first, row + c.num_tokens)
             row += c.num_tokens
         dev = self.device
-        batch = self._attention_batch(chunks, slot_mapping)
+        batch = self.plan.batch(chunks, slot_mapping)
         capture = None
         if capture_rows:
             capture = HiddenCapture(plan.layers, torch.tensor(capture_rows, device=dev),
@@ -289,7 +226,8 @@ class Executor:
         if any(s >= 0 for s in sources):
             src = torch.tensor(row_sources, device=dev)
             ids_t = torch.where(src >= 0, self.sampled[src.clamp(min=0)], ids_t)
-        hidden = self.model(ids_t, torch.tensor(positions, device=dev), batch, self.kv_cache, capture)
+        taps = capture if aux is None else aux if capture is None else Taps(capture, aux)
+        hidden = self.model(ids_t, torch.tensor(positions, device=dev), batch, self.kv_cache, taps)
         logits = self.model.logits(hidden[logit_index]) if logit_index is not None else None
         block = capture.out if capture is not None else None
         return (logits, block, plan.layers if plan is not None else [], None,
@@ -329,7 +267,7 @@ class Executor:
             [0 if c.ahead else c.seq.token_ids[c.start] for c in chunks],
             sources,
             [c.start for c in chunks],
-            [self._slot(c.seq.block_table, c.start) for c in chunks],
+            [self.plan.slot(c.seq.block_table, c.start) for c in chunks],
             [c.seq.block_table for c in chunks],
             [c.end for c in chunks],
             with_rows=bool(keep) if with_rows is None else with_rows,

@@ -16,7 +16,7 @@ from typing import Callable
 from hsserve.engine.block_pool import BlockPool, chain_hash
 from hsserve.engine.hidden_rows import covers_every_prompt_row, wants_final_row
 from hsserve.engine.sequence import Sequence, Status
-from hsserve.engine.speculative import NgramProposer
+from hsserve.engine.speculative import Eagle3Proposer, NgramProposer
 from hsserve.engine.types import Chunk
 
 
@@ -35,7 +35,7 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_wait_ms: float = 0.0,
                  on_preempt: Callable[[Sequence], None] | None = None,
-                 proposer: NgramProposer | None = None):
+                 proposer: NgramProposer | Eagle3Proposer | None = None):
         self.pool = pool
         self.proposer = proposer  # NOTE: speculative decoding: drafts for the decodes
         self.max_num_seqs = max_num_seqs
@@ -112,6 +112,7 @@ class Scheduler:
             if seq.status is Status.RUNNING and seq.num_uncomputed == 1 and budget:
                 draft = self._draft(seq, spare)
                 if self._reserve(seq, len(draft)):
+                    self._lookahead(seq, len(draft))
                     chunks.append(Chunk(seq, seq.num_computed, 1 + len(draft), draft=draft))
                     budget -= 1 + len(draft)
                     spare -= len(draft)
@@ -208,8 +209,15 @@ class Scheduler:
         budget's spare tokens or than would take it past its length limit with the target's."""
         if self.proposer is None or seq.finish_reason is not None or seq.grammar is not None:
             return ()
-        return self.proposer.propose(seq.token_ids,
-                                     min(spare, seq.max_num_tokens - seq.num_tokens - 1))
+        return self.proposer.propose_for(seq, min(spare, seq.max_num_tokens - seq.num_tokens - 1))
+
+    def _lookahead(self, seq: Sequence, extra: int) -> None:
+        """The slots the proposer writes past a draft's (EAGLE-3's head), where they are free:
+        never a preemption for them (the head drafts less at a block it lacks)."""
+        ahead = self.proposer.lookahead if self.proposer is not None else 0
+        need = self.pool.blocks_for(seq.num_tokens + extra + ahead) - len(seq.block_table)
+        if ahead and need > 0 and self.pool.can_allocate(need):
+            seq.block_table += self.pool.allocate(need)
 
     def _reserve(self, seq: Sequence, extra: int = 0) -> bool:
         """Make sure seq has blocks for all its tokens and `extra` after them (a draft's),

@@ -82,6 +82,8 @@ class Sequence:
         # so a delta's text is the text of the delta's own tokens.
         self.text_marks: deque[int] = deque()
         self.grammar = None  # NOTE: guided decoding: its xgrammar matcher (engine/guided.py)
+        # NOTE: EAGLE-3: the head's draft and the token count it follows (engine/drafter.py)
+        self.proposal: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def num_tokens(self) -> int:

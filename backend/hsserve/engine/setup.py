@@ -12,18 +12,20 @@ import torch
 from hsserve.engine.block_pool import BlockPool
 from hsserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from hsserve.engine.cuda_graphs import DecodeGraphs
+from hsserve.engine.drafter import Eagle3Drafter
 from hsserve.engine.executor import Executor
 from hsserve.engine.hidden_rows import HiddenRows
 from hsserve.engine.ranks import Ranks
 from hsserve.kernels.topk import warm_topk
 from hsserve.models.decoder import Decoder
 from hsserve.models.default_model import ensure_default_model
+from hsserve.models.eagle3 import load_head
 from hsserve.models.loader import load_model
 from hsserve.models.spec import ModelSpec
 from hsserve.models.tensor_parallel import TensorParallel, local_spec
 from hsserve.request import HiddenStatesMode
 from hsserve.engine.scheduler import Scheduler
-from hsserve.engine.speculative import NgramProposer
+from hsserve.engine.speculative import Eagle3Proposer, NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +78,14 @@ def load_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def num_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device, need: int) -> int:
-    """Blocks from the memory budget, never more than `need` (enough for every sequence)."""
+def num_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device, need: int,
+                  extra_layers: int = 0) -> int:
+    """Blocks from the memory budget, never more than `need` (enough for every sequence);
+    extra_layers: K/V layers of the same shape beside the model's (an EAGLE-3 head's)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    block_bytes = config.block_size * spec.kv_elems_per_token * torch.finfo(dtype).bits // 8
+    per_token = spec.kv_elems_per_token * (spec.num_layers + extra_layers) // spec.num_layers
+    block_bytes = config.block_size * per_token * torch.finfo(dtype).bits // 8
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.kv_cache_memory_fraction)
@@ -122,7 +127,13 @@ def build_shard(config: EngineConfig, device: torch.device, folder: str,
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     bs = config.block_size
     need = config.max_num_seqs * (-(-max_model_len // bs))
-    blocks = num_kv_blocks(config, spec, model.embed.dtype, device, need)
+    head = None
+    if config.speculative_method == "eagle3":  # NOTE: before the pool takes the memory left
+        try:
+            head = load_head(config.speculative_model, spec, model.embed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    blocks = num_kv_blocks(config, spec, model.embed.dtype, device, need, int(head is not None))
     if parallel is not None:  # NOTE: what fits on every rank
         blocks = parallel.agree_min(blocks)
     if blocks * bs < max_model_len:
@@ -139,7 +150,10 @@ def build_shard(config: EngineConfig, device: torch.device, folder: str,
     log.info("model %s on %s (%s): %d KV blocks of %d tokens", folder, device, model.embed.dtype, blocks, bs)
     layers = captured_layers(config, spec)
     executor = Executor(model, kv_cache, bs, config.max_num_seqs)
-    if config.enable_cuda_graph and executor.kernels:
+    if head is not None:  # NOTE: its K/V in the target's blocks (engine/drafter.py)
+        executor.drafter = Eagle3Drafter(head, torch.zeros_like(kv_cache[0]),
+                                         config.num_speculative_tokens, executor.plan)
+    if config.enable_cuda_graph and executor.plan.kernels and head is None:
         # NOTE: captured once for the ceiling and the captured layer set; never again
         graph_layers = list(layers) if config.hidden_states_ceiling != HiddenStatesMode.NONE else []
         executor.graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs,
@@ -150,9 +164,11 @@ def build_shard(config: EngineConfig, device: torch.device, folder: str,
     return Shard(model, executor, max_model_len, layers)
 
 
-def proposer_for(config: EngineConfig) -> NgramProposer | None:
+def proposer_for(config: EngineConfig) -> NgramProposer | Eagle3Proposer | None:
     if config.speculative_method == "none":
         return None
+    if config.speculative_method == "eagle3":
+        return Eagle3Proposer(config.num_speculative_tokens)
     return NgramProposer(config.num_speculative_tokens, *config.ngram_range)
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from hsserve.engine.sequence import Sequence
+
 
 def accepted_length(draft: tuple[int, ...], targets: list[int]) -> int:
     """How many leading drafts equal the target's tokens at their positions."""
@@ -30,8 +32,13 @@ class NgramProposer:
     """Prompt lookup: the longest suffix of the sequence (ngram_max down to ngram_min tokens)
     that occurred before; the tokens that followed its latest earlier occurrence are the draft."""
 
+    lookahead = 0  # NOTE: KV slots a sequence needs past its draft's (Eagle3Proposer's)
+
     def __init__(self, k: int, ngram_min: int, ngram_max: int):
         self.k, self.ngram_min, self.ngram_max = k, ngram_min, ngram_max
+
+    def propose_for(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        return self.propose(seq.token_ids, limit)
 
     def propose(self, token_ids: list[int], limit: int) -> tuple[int, ...]:
         """Up to min(k, limit) tokens to follow token_ids; () when no suffix recurs."""
@@ -48,3 +55,18 @@ class NgramProposer:
                 after = int(hits[-1]) + n  # NOTE: the latest occurrence
                 return tuple(token_ids[after : after + k])
         return ()
+
+
+class Eagle3Proposer:
+    """The EAGLE-3 head's drafts, made on the device after the previous step (engine/drafter.py)
+    and kept on the sequence; a draft that does not follow the sequence's tokens is none."""
+
+    def __init__(self, k: int):
+        self.k = k
+        # NOTE: the head writes its K/V for its own drafts past the verified positions
+        self.lookahead = k
+
+    def propose_for(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        if seq.proposal is None or seq.proposal[0] != seq.num_tokens or limit <= 0:
+            return ()
+        return seq.proposal[1][:limit]

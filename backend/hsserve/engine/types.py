@@ -13,6 +13,7 @@ from hsserve.engine.sequence import Sequence
 if TYPE_CHECKING:
     from hsserve.engine.step_rows import RowPlan, StepRows
     from hsserve.engine.logprobs import PromptLogprobs, StepLogprobs
+    from hsserve.models.hidden_capture import HiddenCapture
 
 
 @dataclass(slots=True)
@@ -74,3 +75,5 @@ class Launched:
     prompt: list[PromptLogprobs] | None = None  # prompt logprobs of the chunks with a span
     # NOTE: sampling left for after the previous step is read (a guided step queued ahead)
     pending: tuple | None = None
+    # NOTE: EAGLE-3: every row's target layers the draft head reads (engine/drafter.py)
+    aux: HiddenCapture | None = None

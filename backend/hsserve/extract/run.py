@@ -17,16 +17,11 @@ from hsserve.extract.records import BadRecord, read_records
 from hsserve.extract.shards import ShardWriter
 from hsserve.extract.shared_memory import admin_key, local_host
 from hsserve.extract.sources import Ask, LocalSource, ServerSource
+from hsserve.models.eagle3 import default_aux_layers
 from hsserve.models.spec import ModelSpec
 from hsserve.triton.server import ADMIN_KEY_ENV
 
 log = logging.getLogger("hsserve.extract")
-
-
-def eagle3_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low / middle / high: the outputs of layers 2, L/2 and L-3 (hidden_states
-    indices; 2, 16, 29 for a 32-layer model)."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     folder = model_folder(EngineConfig(model=args.model))
     spec = ModelSpec.from_folder(folder)
-    layers = eagle3_layers(spec.num_layers) if args.eagle3 else tuple(args.layers)
+    layers = default_aux_layers(spec.num_layers) if args.eagle3 else tuple(args.layers)
     ask = Ask(args.mode, layers, args.max_tokens, getattr(torch, args.dtype))
     run_args = {"input": os.path.abspath(args.input), "layers": list(layers), "mode": args.mode,
                 "max_tokens": args.max_tokens, "dtype": args.dtype, "model": args.model,

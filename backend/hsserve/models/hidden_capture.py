@@ -39,3 +39,18 @@ class HiddenCapture:
         col = self._column.get(k)
         if col is not None:
             self.out[:, col] = x if self.rows is None else x[self.rows]
+
+
+class Taps:
+    """Two captures in one forward: the rows requests asked for and the EAGLE-3 drafter's layers
+    (the same interface as HiddenCapture's, for the decoder)."""
+
+    def __init__(self, *captures: HiddenCapture):
+        self.captures = captures
+
+    def wants(self, k: int) -> bool:
+        return any(c.wants(k) for c in self.captures)
+
+    def store(self, k: int, x: torch.Tensor) -> None:
+        for c in self.captures:
+            c.store(k, x)
