@@ -17,7 +17,7 @@ from oracle import hf_hidden
 
 def write_head(folder: str, target_folder: str, layout: str = "specforge", seed: int = 0,
                draft_vocab: list[int] | None = None, own_embed: bool = False,
-               std: float = 0.2) -> str:
+               std: float = 0.2, aux: list[int] | None = None) -> str:
     """A random head for the target in folder; layout 'specforge' (midlayer.*) or 'speculators'
     (layers.0.*, transformer_layer_config); draft_vocab: the target ids it drafts (default the
     first 512)."""
@@ -54,6 +54,8 @@ def write_head(folder: str, target_folder: str, layout: str = "specforge", seed:
                  vocab_size=t["vocab_size"], hidden_act="silu")
     if layout == "specforge":
         cfg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": len(vocab)}
+        if aux is not None:
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
     else:
         cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                "transformer_layer_config": {**layer, "architectures": ["LlamaForCausalLM"]},
@@ -91,7 +93,9 @@ def reference_drafts(head_folder: str, hf_target, token_ids: list[int], k: int) 
     eps, heads, kvh = lc["rms_norm_eps"], lc["num_attention_heads"], lc["num_key_value_heads"]
     hd = lc["hidden_size"] // heads
     n_target = hf_target.config.num_hidden_layers
-    aux = cfg.get("eagle_aux_hidden_state_layer_ids") or [2, n_target // 2, n_target - 3]
+    aux = (cfg.get("eagle_aux_hidden_state_layer_ids")
+           or cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+           or [2, n_target // 2, n_target - 3])
     embed = w.get("embed_tokens.weight", hf_target.get_input_embeddings().weight.detach())
     with torch.no_grad():
         feats = hf_hidden(hf_target, token_ids, tuple(sorted(aux)))[:-1] @ w["fc.weight"].T
