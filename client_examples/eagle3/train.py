@@ -83,7 +83,8 @@ class Head(nn.Module):
         self.down = nn.Linear(inter, h, bias=False)
         self.norms = nn.ParameterDict({n: nn.Parameter(torch.ones(h)) for n in
                                        ("input", "hidden", "post", "final")})
-        self.lm_head = nn.Parameter(lm_rows.clone())
+        # NOTE: the target's own rows, kept: fewer weights to fit from few prompts
+        self.lm_head = nn.Parameter(lm_rows.clone(), requires_grad=False)
 
     def qkv(self, x: torch.Tensor, state: torch.Tensor, pos: torch.Tensor):
         h = torch.cat((rms(x, self.norms["input"], self.eps),
@@ -175,7 +176,8 @@ def train(shards: str, model: str, output: str, epochs: int = 6, steps: int = 3,
     to_draft = torch.full((cfg["vocab_size"],), -100, dtype=torch.long)
     to_draft[vocab] = torch.arange(len(vocab))
     head = Head(cfg, lm_head[vocab])
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    trained = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
     total = epochs * len(records)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=total, pct_start=0.1)
     order, t0 = list(range(len(records))), time.monotonic()
@@ -187,7 +189,7 @@ def train(shards: str, model: str, output: str, epochs: int = 6, steps: int = 3,
             loss = unrolled_loss(head, embed, ids, feats, to_draft[ids[2:]], steps)
             opt.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
             opt.step()
             sched.step()
             seen += float(loss)

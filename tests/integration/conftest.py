@@ -3,7 +3,8 @@
 A real tritonserver on free ports, serving a copy of the repository's model_repository plus
 `llm_capped` (the same model with a lower hidden-state ceiling, a few captured layers,
 HIDDEN_STATES declared TYPE_BF16, and its engine in the stub instead of a child process) and
-`llm_spec` (the same model with n-gram speculative decoding)."""
+`llm_spec` (the same model with n-gram speculative decoding), `llm_eagle3` (the tiny Llama with a
+random EAGLE-3 head)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 
 import pytest
 
+from eagle3_heads import write_head
 from hsserve.triton.server import start_server
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "..", "model_repository")
@@ -32,8 +34,9 @@ FAMILIES = ("phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")  # NOTE: served 
 
 
 def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | None = None,
-                    tp_dir: str | None = None) -> str:
-    """family_dirs: served as llm_<name> (in the stub); tp_dir: as llm_tp2 over two ranks."""
+                    tp_dir: str | None = None, eagle3: tuple[str, str] | None = None) -> str:
+    """family_dirs: served as llm_<name> (in the stub); tp_dir: as llm_tp2 over two ranks;
+    eagle3: (model, head) served as llm_eagle3."""
     repo = os.path.join(root, "model_repository")
     shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
     capped = os.path.join(repo, "llm_capped")
@@ -65,6 +68,12 @@ def make_repository(root: str, smollm_dir: str, family_dirs: dict[str, str] | No
     set_parameter(cfg, "engine_process", "false")
     add_parameter(cfg, "speculative_method", "ngram")
     add_parameter(cfg, "num_speculative_tokens", "4")
+    if eagle3:  # NOTE: an EAGLE-3 head's drafts, in the stub
+        cfg = copy_model(repo, "llm_eagle3", eagle3[0])
+        set_parameter(cfg, "engine_process", "false")
+        for key, value in (("speculative_method", "eagle3"), ("num_speculative_tokens", "3"),
+                           ("speculative_model", eagle3[1])):
+            add_parameter(cfg, key, value)
     if tp_dir:  # NOTE: a tiny model over two ranks, in an engine process (small: CI's memory)
         set_parameter(copy_model(repo, "llm_tp2", tp_dir), "tensor_parallel_size", "2")
     return repo
@@ -98,11 +107,13 @@ def add_parameter(config_path: str, key: str, value: str) -> None:
 def triton_server(tmp_path_factory, smollm_dir, tiny_model_dir, fp8_served_dir):
     root = str(tmp_path_factory.mktemp("triton"))
     served = {f: tiny_model_dir(f) for f in FAMILIES} | {"fp8": fp8_served_dir}
-    repo = make_repository(root, smollm_dir, served, tp_dir=tiny_model_dir("llama"))
+    llama = tiny_model_dir("llama")
+    head = write_head(os.path.join(root, "eagle3-head"), llama, seed=2)
+    repo = make_repository(root, smollm_dir, served, tp_dir=llama, eagle3=(llama, head))
     server = start_server(repo, log_path=os.path.join(root, "server.log"))
     try:
         server.wait_ready(timeout=600, models=("llm", "llm_sync", "llm_capped", "llm_sync_last", "hidden_classifier",
-                                                   "llm_classifier", "llm_tp2", "llm_fp8", "llm_spec", *(f"llm_{f}" for f in FAMILIES)))
+                                                   "llm_classifier", "llm_tp2", "llm_fp8", "llm_spec", "llm_eagle3", *(f"llm_{f}" for f in FAMILIES)))
         yield server
     finally:
         server.stop()

@@ -41,3 +41,32 @@ def test_drafts_give_the_same_tokens_and_rows_and_are_counted(triton_server):
         "llm_spec_accepted_tokens_total", 0)
     assert 0 < accepted <= drafted
     assert metrics(url, "llm").get("llm_spec_draft_tokens_total", 0) == 0
+
+
+def test_an_eagle3_head_serves_the_models_own_tokens_and_rows(triton_server, tiny_model_dir):
+    # NOTE: llm_eagle3: the tiny Llama with a random head, loaded from config.pbtxt's parameters
+    from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams
+
+    url = f"http://127.0.0.1:{triton_server.ports.metrics}/metrics"
+    before = metrics(url, "llm_eagle3").get("llm_spec_draft_tokens_total", 0)
+    fields = dict(input_ids=list(range(100, 140)), max_tokens=24, temperature=0.0,
+                  ignore_eos=True, MODE="full", hidden_layers=[0, -1], stream=True)
+    got = stream_once(triton_server.grpc_url, fields, model="llm_eagle3")
+    assert got.error is None, got.error
+    engine = Engine(EngineConfig(model=tiny_model_dir("llama"), device="cpu")).start()
+    try:
+        want = engine.generate(GenerationRequest(
+            "p", prompt_ids=list(range(100, 140)), hidden_mode=HiddenStatesMode.FULL,
+            hidden_layers=(0, -1), sampling=SamplingParams(max_tokens=24, temperature=0.0,
+                                                            ignore_eos=True)), timeout=60)
+    finally:
+        engine.shutdown()
+    assert got.cat("output_ids").tolist() == want.token_ids
+    rows, ref = got.cat("HIDDEN_STATES"), want.hidden.numpy()
+    assert rows.shape == ref.shape
+    assert np.abs(rows - ref).max() <= 1e-3 * np.linalg.norm(ref, axis=-1).max()
+    deadline, drafted = time.time() + 30, before
+    while time.time() < deadline and drafted == before:
+        drafted = metrics(url, "llm_eagle3").get("llm_spec_draft_tokens_total", 0)
+        time.sleep(0.2)
+    assert drafted > before
