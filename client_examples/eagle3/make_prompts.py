@@ -2,7 +2,7 @@
 from templates and topic lists of our own, split so that held-out prompts share no topic with the
 training ones. Deterministic.
 
-    python client_examples/eagle3/make_prompts.py --out DIR [--train 128 --heldout 24]
+    python client_examples/eagle3/make_prompts.py --out DIR [--train 256 --heldout 24]
 
 DIR/train.jsonl and DIR/heldout.jsonl: {"id", "messages"} per line (`hsserve extract`'s input).
 """
@@ -71,7 +71,7 @@ def write(folder: str, train: int = 128, heldout: int = 24, seed: int = 0) -> tu
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--train", type=int, default=128)
+    p.add_argument("--train", type=int, default=256)
     p.add_argument("--heldout", type=int, default=24)
     a = p.parse_args()
     print(*write(a.out, a.train, a.heldout))

@@ -166,7 +166,7 @@ def save_head(head: Head, cfg: dict, vocab: torch.Tensor, layers: list[int], out
         json.dump(config, f, indent=1)
 
 
-def train(shards: str, model: str, output: str, epochs: int = 6, steps: int = 3,
+def train(shards: str, model: str, output: str, epochs: int = 4, steps: int = 3,
           draft_vocab: int = 4096, lr: float = 3e-3, seed: int = 0, log=print) -> str:
     torch.manual_seed(seed)
     records, layers = load_shards(shards)
@@ -204,7 +204,7 @@ def main() -> None:
     p.add_argument("--shards", required=True, help="hsserve extract --eagle3 --mode full output")
     p.add_argument("--model", required=True, help="the target's folder (config, embeddings)")
     p.add_argument("--output", required=True, help="where the head goes")
-    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="training-time test unroll")
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -13,6 +13,8 @@ from hsserve.kernels.paged_prefill_attention import varlen_metadata
 from hsserve.models.attention_batch import AttentionBatch, Span, visible_keys
 from hsserve.models.spec import ModelSpec
 
+_SHORT_AS_DECODE = 8
+
 
 class AttentionPlanner:
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
@@ -25,6 +27,13 @@ class AttentionPlanner:
         self.cpu_kernels = device.type == "cpu" and cpu_ops.supports(
             dtype, spec.num_heads, spec.head_dim)
         self.group = spec.num_heads // spec.num_kv_heads
+
+    def _as_decode(self, c: Chunk) -> bool:
+        """Rows attending as decodes, each to the keys up to its own position: one token; and off
+        the GPU kernels a short chunk after cached keys (a draft's verify, the EAGLE-3 head's
+        catch-up), which as a span would gather every key and build a mask each step."""
+        return c.num_tokens == 1 or (not self.kernels and c.start > 0
+                                     and c.num_tokens <= _SHORT_AS_DECODE)
 
     def slot(self, block_table: list[int], position: int) -> int:
         """Where the K/V of the token at `position` goes in the cache (a flat slot index)."""
@@ -45,13 +54,13 @@ class AttentionPlanner:
         dev = self.device
         batch = AttentionBatch(slot_mapping=torch.tensor(slot_mapping, device=dev),
                                kernels=self.kernels, cpu_kernels=self.cpu_kernels)
-        decode = [(i, c) for i, c in enumerate(chunks) if c.num_tokens == 1]
+        decode = [(i, c) for i, c in enumerate(chunks) if self._as_decode(c)]
         row = 0
         rows_of = []
         for c in chunks:
             rows_of.append(row)
             row += c.num_tokens
-        if self.kernels and len(decode) < len(chunks):
+        if self.kernels and len(decode) < len(chunks):  # NOTE: here decodes are single tokens
             bs = self.block_size
             batch.varlen = varlen_metadata(
                 [(rows_of[i], c.num_tokens, c.start, c.seq.block_table[: -(-c.end // bs)])
@@ -60,12 +69,14 @@ class AttentionPlanner:
         if decode:
             bs = self.block_size
             num_blocks = max(-(-c.end // bs) for _, c in decode)
-            tables = [c.seq.block_table[:num_blocks] for _, c in decode]
-            batch.decode_rows = torch.tensor([rows_of[i] for i, _ in decode], device=dev)
+            rows = [(rows_of[i] + j, c, c.start + j + 1) for i, c in decode
+                    for j in range(c.num_tokens)]
+            tables = [c.seq.block_table[:num_blocks] for _, c, _ in rows]
+            batch.decode_rows = torch.tensor([r for r, _, _ in rows], device=dev)
             batch.decode_block_tables = torch.tensor(
                 [t + [0] * (num_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev
             )
-            lens = torch.tensor([c.end for _, c in decode], dtype=torch.int32, device=dev)
+            lens = torch.tensor([n for _, _, n in rows], dtype=torch.int32, device=dev)
             batch.decode_seq_lens = lens
             if not (self.kernels or self.cpu_kernels):  # NOTE: the kernels read the lengths
                 keys = torch.arange(num_blocks * bs, device=dev)
@@ -76,7 +87,7 @@ class AttentionPlanner:
                 batch.decode_bias = bias.masked_fill_(~mask, float("-inf"))
         groups: list[tuple[int, int, list[list[int]], torch.Tensor | None]] = []
         for i, c in enumerate(chunks):
-            if c.num_tokens == 1:
+            if self._as_decode(c):
                 continue
             slots = self.slots(c.seq.block_table, 0, c.end)
             plain = c.start == 0 and (window is None or c.end <= window)
