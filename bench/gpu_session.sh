@@ -5,7 +5,7 @@
 #   bash bench/gpu_session.sh [PART ...]   (default: tests triton decode)
 # PART: tests spec_tests fp8_tests fp8_gemm fp8_graph fp8_8b fp8_70b triton decode decode1b decode8b decode_sync decode_nopdl triton_wait profile
 # profile1 host logprobs extract8b extract_spy moe moe_kernels moe_profile ablation tp_tests tp8b tp70b
-# two_instances route64 (batch 64 routed by torch vs route_align) guided openai (both carry .whl/tok:
+# two_instances route64 (batch 64 routed by torch vs route_align) spec_verify guided openai (both carry .whl/tok:
 # SmolLM2's tokenizer files) none. The one-off A/B scripts'
 # parts went with them (bench/archive/, last at e9f3215).
 set -u
@@ -106,6 +106,8 @@ for part in $parts; do
     openai) timeout 400 python3 bench/openai_gateway.py --shape llama-1b --tokenizer .whl/tok \
               --concurrency 64 --out "$OUT/${OPENAI_OUT:-h200_openai_gateway}.json" 2>&1 \
               | grep -v "^[IW]1\|^\[W" | tail -6 ;;
+    spec_verify) timeout 500 python3 bench/gpu_spec_verify.py --shape llama-8b --batches 1 16 --k 4 \
+                   --out "$OUT/${SPEC_OUT:-h200_spec_decode}.json" 2>&1 | grep "^{\|Error" ;;
     none) ;;  # NOTE: the set-up only
     *) echo "gpu_session.sh: unknown part $part" >&2 ;;
   esac

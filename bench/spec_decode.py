@@ -93,24 +93,21 @@ def main() -> None:
         configs += [(f"eagle3_k{k}", dict(speculative_method="eagle3", num_speculative_tokens=k,
                                           speculative_model=args.eagle3_head))
                     for k in args.eagle3_k]
-    engines = {name: Engine(EngineConfig(model=folder, device="cpu", max_num_seqs=4, **kw)).start()
-               for name, kw in configs}
     results: dict = {}
-    try:
-        for engine in engines.values():
-            run(engine, COPY[:1], 16)  # NOTE: warm-up
-        # NOTE: rounds interleave the configurations (this machine's speed drifts); the fastest
-        # round of each is kept
-        for _ in range(args.rounds):
-            for kind in kinds:
-                for name, engine in engines.items():
+    # NOTE: rounds interleave the configurations (this machine's speed drifts) and the fastest
+    # round of each is kept; one engine at a time (several in one process slowed each ~2x)
+    for _ in range(args.rounds):
+        for name, kw in configs:
+            engine = Engine(EngineConfig(model=folder, device="cpu", max_num_seqs=4, **kw)).start()
+            try:
+                run(engine, COPY[:1], 16)  # NOTE: warm-up
+                for kind in kinds:
                     r = run(engine, prompts(engine, kind, heldout), args.max_tokens)
                     best = results.setdefault(kind, {}).get(name)
                     if best is None or r["tok_s"] > best["tok_s"]:
                         results[kind][name] = r
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
+            finally:
+                engine.shutdown()
     for kind, by in results.items():
         base = by["none"]
         want = base["outputs"]

@@ -1,4 +1,5 @@
-"""Speculative decoding: who proposes draft tokens, and how many of them the target accepts.
+"""Speculative decoding: who proposes draft tokens (prompt lookup; an EAGLE-3 head, whose drafts
+engine/drafter.py makes), and how many of them the target accepts.
 
 A decoding sequence's chunk carries k proposed tokens after its last (Chunk.draft); the target
 computes all k + 1 positions in one forward and samples its own token at each with the request's
@@ -6,8 +7,9 @@ seeded sampler, at that token's output index. Drafts are accepted while they equ
 token; the first disagreement is replaced by the target's. For a proposer that puts all its
 probability on one token (n-gram lookup) this is the standard rejection rule (accept with
 probability p(d), else sample p without d): the emitted tokens are the very tokens decoding
-without speculation gives, greedy or seeded. Rejected positions' K/V are overwritten later and
-their rows never leave the ledger (hidden_rows.record keeps accepted positions only).
+without speculation gives, greedy or seeded (the EAGLE-3 head drafts greedily: a point mass
+too). Rejected positions' K/V are overwritten later and their rows never leave the ledger
+(hidden_rows.record keeps accepted positions only).
 """
 
 from __future__ import annotations
