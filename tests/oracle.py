@@ -35,3 +35,9 @@ def max_rel_row_diff(ours: torch.Tensor, ref: torch.Tensor, num_layers: int = 1)
     for o, r in zip(ours.chunk(num_layers, dim=-1), ref.chunk(num_layers, dim=-1)):
         worst = max(worst, float(((o - r).abs().max(dim=-1).values / r.norm(dim=-1)).max()))
     return worst
+
+
+def min_layer_cosine(ours: torch.Tensor, ref: torch.Tensor, num_layers: int) -> float:
+    """min over rows and layers of the cosine between our row of a layer and the reference's."""
+    return min(float(torch.nn.functional.cosine_similarity(o.float(), r.float(), dim=-1).min())
+               for o, r in zip(ours.chunk(num_layers, -1), ref.chunk(num_layers, -1)))

@@ -83,3 +83,16 @@ def byte_bpe_tokenizer(folder: str, vocab_size: int, eos: str = "</s>") -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=eos,
                             pad_token="<pad>").save_pretrained(folder)
+
+
+def save_gpu_llama(folder: str) -> str:
+    """The GPU tests' 4-layer Llama (vocab 1024, GQA 8 / 2), seeded, saved in folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    return folder

@@ -15,6 +15,7 @@ import torch
 
 from hsserve import Engine, EngineConfig, FinishReason, GenerationRequest, HiddenStatesMode, SamplingParams
 from oracle import max_rel_row_diff
+from tiny_models import save_gpu_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,15 +26,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      eos_token_id=2, bos_token_id=1)
-    torch.manual_seed(0)
-    folder = str(tmp_path_factory.mktemp("tp-llama"))
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
-    return folder
+    return save_gpu_llama(str(tmp_path_factory.mktemp("tp-llama")))
 
 
 def run(folder, tp, dtype):

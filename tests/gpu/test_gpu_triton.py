@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hsserve import Engine, EngineConfig, GenerationRequest, HiddenStatesMode, SamplingParams
+from tiny_models import save_gpu_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,15 +38,7 @@ LAYERS = [0, -1]
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      eos_token_id=2, bos_token_id=1)
-    torch.manual_seed(0)
-    folder = str(tmp_path_factory.mktemp("llama"))
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
-    return folder
+    return save_gpu_llama(str(tmp_path_factory.mktemp("llama")))
 
 
 def engine_outputs(folder):

@@ -26,7 +26,7 @@ from hsserve.kernels.gemv import gemv, gemv_fits, gemv_rotary_store, gemv_silu_m
 from hsserve.kernels.gemv_head_norm import gemv_head_norm_store, head_norm_fits
 from hsserve.models.linear import Linear
 from hsserve.models.moe import MoE
-from hsserve.models.rope import Rotary, attention_factor, inverse_frequencies
+from hsserve.models.rope import Rotary, attention_factor, inverse_frequencies, rotary_for
 from hsserve.models.spec import ModelSpec
 from hsserve.models.tensor_parallel import TensorParallel
 
@@ -286,21 +286,13 @@ class Decoder(nn.Module):
             rope = Rotary(cos, sin, fused=True)
         else:
             x = F.embedding(input_ids, self.embed)
-            rope = self._rotary(positions, self.inv_freq, x.dtype, fused)
+            rope = rotary_for(positions, self.inv_freq, x.dtype, fused)
         local = None
         if self.inv_freq_local is not None:
-            local = self._rotary(positions, self.inv_freq_local, x.dtype, fused)
+            local = rotary_for(positions, self.inv_freq_local, x.dtype, fused)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         return x, rope, local
-
-    @staticmethod
-    def _rotary(positions, inv_freq, dtype, fused: bool) -> Rotary:
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        if fused:  # NOTE: the CUDA kernels' form: float32 [tokens, head_dim // 2]
-            return Rotary(freqs.cos(), freqs.sin(), fused=True)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return Rotary(emb.cos().to(dtype), emb.sin().to(dtype), fused=False)
 
     def _layers(self, input_ids, positions, batch, kv_cache, capture):
         """embed -> layers: (x, residual) to which the final norm applies (residual None when

@@ -27,7 +27,7 @@ from torch import nn
 
 from hsserve.models.decoder import MLP, Attention, RMSNorm
 from hsserve.models.linear import Linear, pack_for_cpu
-from hsserve.models.rope import Rotary, inverse_frequencies
+from hsserve.models.rope import inverse_frequencies, rotary_for
 from hsserve.models.spec import ModelSpec
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
@@ -134,9 +134,7 @@ class Eagle3Head(nn.Module):
         """One draft position per row: (the pre-norm output, fed to the next draft step; the
         draft's greedy token as a target id)."""
         x = torch.nn.functional.embedding(input_ids, self.embed)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        rope = Rotary(emb.cos().to(x.dtype), emb.sin().to(x.dtype), fused=False)
+        rope = rotary_for(positions, self.inv_freq, x.dtype, fused=False)
         residual = state
         if self.spec.norm_before_residual:
             state = residual = self.hidden_norm(state)

@@ -1,5 +1,5 @@
 """Rotary position embeddings: inverse frequencies (default, linear, llama3, longrope's short
-factors) with longrope's attention factor, apply, and a forward's rotation (Rotary)."""
+factors) with longrope's attention factor, apply, and a forward's rotation (Rotary, rotary_for)."""
 
 from __future__ import annotations
 
@@ -71,3 +71,13 @@ class Rotary:
             rotary_(x, self.cos, self.sin)
             return x
         return apply_rotary(x, self.cos, self.sin)
+
+
+def rotary_for(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+               fused: bool) -> Rotary:
+    """The tokens' rotation: in the CUDA kernels' form (fused) or the torch path's."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    if fused:  # NOTE: the CUDA kernels' form: float32 [tokens, head_dim // 2]
+        return Rotary(freqs.cos(), freqs.sin(), fused=True)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return Rotary(emb.cos().to(dtype), emb.sin().to(dtype), fused=False)
