@@ -22,7 +22,8 @@ for part in $parts; do
   case $part in
     tests) timeout 560 python3 -m pytest -m gpu tests/gpu -n "${WORKERS:-6}" -q -p no:cacheprovider \
              2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -25 ;;  # NOTE: pytest's summary line last
-    spec_tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_gpu_speculative.py -q \
+    spec_tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_gpu_speculative.py \
+                  tests/gpu/test_gpu_eagle3.py -n 4 -q \
                   -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -12 ;;
     fp8_tests) timeout 300 python3 -m pytest -m gpu tests/gpu/test_gpu_fp8.py -n 6 -q \
                  -p no:cacheprovider 2>&1 | grep -v "^[IW]1\|^|\|^+" | tail -12 ;;

@@ -33,7 +33,7 @@ def tiny_pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_eagle3_drafts_keep_tokens_and_rows(tiny_pair, dtype, monkeypatch):
+def test_gpu_eagle3_drafts_keep_tokens_and_rows(tiny_pair, dtype, monkeypatch, verified_in_graphs):
     from transformers import AutoModelForCausalLM
 
     folder, head = tiny_pair
@@ -45,6 +45,7 @@ def test_gpu_eagle3_drafts_keep_tokens_and_rows(tiny_pair, dtype, monkeypatch):
         seen.extend((c.seq.request_id, c.seq.proposal) for c in step.chunks if c.seq.proposal)
 
     monkeypatch.setattr(drafter.Eagle3Drafter, "draft", draft)
+    verified = verified_in_graphs
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 1000, (9 + i,), generator=g).tolist() for i in range(6)]
     engine = Engine(EngineConfig(model=folder, device="cuda", dtype=dtype, max_num_seqs=8,
@@ -57,9 +58,12 @@ def test_gpu_eagle3_drafts_keep_tokens_and_rows(tiny_pair, dtype, monkeypatch):
             sampling=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
             for i, p in enumerate(prompts)]
         results = [s.result(timeout=300) for s in streams]
+        captures = engine.executor.graphs.num_captures, len(engine.executor.graphs.graphs)
     finally:
         engine.shutdown()
     assert engine.pool.num_free == engine.pool.num_blocks
+    assert sum(verified) >= 10, "verify steps replay the decode graphs"
+    assert captures[0] == captures[1], "nothing captured while serving"
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                               attn_implementation="eager").eval()
     full = {f"s{i}": p + r.token_ids for i, (p, r) in enumerate(zip(prompts, results))}

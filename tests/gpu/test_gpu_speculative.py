@@ -1,9 +1,10 @@
 """On CUDA (pytest -m gpu): n-gram drafts give transformers' tokens and rows beside the graph path.
 
 A batch of repetitive prompts (drafts get accepted) with MODE full / last / none, on an engine
-with speculative_method ngram whose plain decodes still replay the CUDA graphs: float32 greedy
-tokens equal transformers' and rows within 1e-3 of the row norm; bfloat16 rows of the same tokens
-with cosine >= 0.999 against a float32 transformers forward; nothing is left in the pool."""
+with speculative_method ngram whose decodes and verify steps replay the CUDA graphs (captured at
+start only): float32 greedy tokens equal transformers' and rows within 1e-3 of the row norm;
+bfloat16 rows of the same tokens with cosine >= 0.999 against a float32 transformers forward;
+nothing is left in the pool."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_ngram_drafts_keep_tokens_and_rows(tiny_llama, dtype):
+def test_gpu_ngram_drafts_keep_tokens_and_rows(tiny_llama, dtype, verified_in_graphs):
     from transformers import AutoModelForCausalLM
 
+    verified = verified_in_graphs
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 1000, (5 + i,), generator=g).tolist() * (3 + i % 2)
                for i in range(6)]
@@ -44,11 +46,14 @@ def test_gpu_ngram_drafts_keep_tokens_and_rows(tiny_llama, dtype):
             sampling=SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)))
             for i, p in enumerate(prompts)]
         results = [s.result(timeout=300) for s in streams]
+        captures = engine.executor.graphs.num_captures, len(engine.executor.graphs.graphs)
         accepted = engine.stats.accepted_tokens
     finally:
         engine.shutdown()
     assert accepted > 0, "repetitive prompts accept drafts"
     assert engine.pool.num_free == engine.pool.num_blocks
+    assert sum(verified) >= 10, "verify steps replay the decode graphs"
+    assert captures[0] == captures[1], "nothing captured while serving"
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
                                               attn_implementation="eager").eval()
     for i, (p, r) in enumerate(zip(prompts, results)):

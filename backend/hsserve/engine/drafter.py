@@ -39,6 +39,10 @@ class Eagle3Drafter:
                           device=self.kv.device)
         return HiddenCapture(self.layers, None, size, out.dtype, out=out)
 
+    def tap_rows(self, rows: torch.Tensor) -> HiddenCapture:
+        """The same, from a graph replay's rows of the head's layers [rows, 3, hidden]."""
+        return HiddenCapture(self.layers, None, rows.shape[-1], rows.dtype, out=rows)
+
     @torch.inference_mode()
     def draft(self, step: Launched, tokens: list) -> None:
         """Catch up on the step's kept positions, then set the proposals (before the step's

@@ -71,11 +71,12 @@ class Executor:
             self.peers.send(chunks, sources, sampled, plan is not None and bool(plan.with_rows))
         graph = self._takes_graph(chunks)
         self.num_graph_steps += graph
-        aux = self.drafter.tap(chunks) if self.drafter is not None else None
+        aux = None
         if graph:
-            logits, block, layers, greedy, prompt = self._forward_graph(chunks, sources, sampled,
-                                                                        plan)
+            logits, block, layers, greedy, prompt, aux = self._forward_graph(chunks, sources,
+                                                                             sampled, plan)
         else:
+            aux = self.drafter.tap(chunks) if self.drafter is not None else None
             logits, block, layers, greedy, prompt = self._forward_eager(chunks, sources, sampled,
                                                                         plan, aux)
         tokens = logprobs = pending = None
@@ -110,9 +111,11 @@ class Executor:
             step.done.record()
 
     def _takes_graph(self, chunks: list[Chunk]) -> bool:
+        """Decode-shaped steps: every chunk one token or a draft's verify (its last token and
+        the draft, no rows before), within the graphs' rows."""
         g = self.graphs
-        return (g is not None and self.drafter is None and len(chunks) <= g.max_batch
-                and all(c.num_tokens == 1 for c in chunks))
+        return (g is not None and all(c.num_tokens == c.num_samples for c in chunks)
+                and sum(c.num_tokens for c in chunks) <= g.max_batch)
 
     @torch.inference_mode()
     def follow(self, chunks: list[Chunk], sources: list[int], sampled: list[bool],
@@ -253,31 +256,58 @@ class Executor:
 
     def _forward_graph(self, chunks: list[Chunk], sources: list[int], sampled: list[bool],
                        plan: RowPlan | None, with_rows: bool | None = None):
-        """A decode-only step through the captured graphs (every chunk one row)."""
+        """A decode-shaped step through the captured graphs: a row per chunk, or per position of
+        a draft's verify, each attending up to its own (every row's K/V is written first)."""
         g, dev = self.graphs, self.device
-        sampling = [i for i, f in enumerate(sampled) if f]
-        pick = upload(sampling, dev) if 0 < len(sampling) < len(chunks) else None
-        keep = plan.with_rows if plan is not None else []
-        keep_index = upload(keep, dev) if 0 < len(keep) < len(chunks) else None
+        inputs, first = graph_inputs(chunks, sources, self.plan)
+        n = len(inputs[0])
+        sampling = [r for i, f in enumerate(sampled) if f for r in _last(chunks, first, i)]
+        pick = upload(sampling, dev) if 0 < len(sampling) < n else None
+        keep = [r for i in plan.with_rows for r in _last(chunks, first, i, plan.slices[i][1])
+                ] if plan is not None else []
+        keep_index = upload(keep, dev) if 0 < len(keep) < n else None
         layers, cols = g.layers, None
+        column = {k: j for j, k in enumerate(layers)}
         if keep and len(plan.layers) < len(layers):  # NOTE: only the layers asked for leave the GPU
-            column = {k: j for j, k in enumerate(layers)}
             cols, layers = upload([column[k] for k in plan.layers], dev), plan.layers
-        logits, rows, greedy, greedy_logprobs = g.run(
-            [0 if c.ahead else c.seq.token_ids[c.start] for c in chunks],
-            sources,
-            [c.start for c in chunks],
-            [self.plan.slot(c.seq.block_table, c.start) for c in chunks],
-            [c.seq.block_table for c in chunks],
-            [c.end for c in chunks],
-            with_rows=bool(keep) if with_rows is None else with_rows,
-        )
+        if with_rows is None:
+            with_rows = bool(keep) or self.drafter is not None
+        logits, rows, greedy, greedy_logprobs = g.run(*inputs, with_rows=with_rows)
+        aux = None
+        if self.drafter is not None and rows is not None:  # NOTE: copied: the buffer is live
+            aux = self.drafter.tap_rows(rows[:, [column[k] for k in self.drafter.layers]])
         if not sampling:
             logits = None
         elif pick is not None:
             logits = logits[pick]
         greedy = (greedy, greedy_logprobs)
         if not keep:
-            return logits, None, [], greedy, None
+            return logits, None, [], greedy, None, aux
         block = rows[keep_index] if keep_index is not None else rows
-        return logits, block if cols is None else block[:, cols], layers, greedy, None
+        return (logits, block if cols is None else block[:, cols], layers, greedy, None, aux)
+
+
+def _last(chunks: list[Chunk], first: list[int], i: int, count: int | None = None) -> range:
+    """Chunk i's last `count` (all) rows in a graph step."""
+    end = first[i] + chunks[i].num_tokens
+    return range(end - (chunks[i].num_tokens if count is None else count), end)
+
+
+def graph_inputs(chunks: list[Chunk], sources: list[int], plan: AttentionPlanner):
+    """A graph step's per-row inputs (ids, sources, positions, slots, tables, lengths) and each
+    chunk's first row; one row per chunk unless a chunk verifies a draft."""
+    if not any(c.draft for c in chunks):  # NOTE: the common step, kept cheap
+        return ([0 if c.ahead else c.seq.token_ids[c.start] for c in chunks], sources,
+                [c.start for c in chunks],
+                [plan.slot(c.seq.block_table, c.start) for c in chunks],
+                [c.seq.block_table for c in chunks], [c.end for c in chunks]), range(len(chunks))
+    ids, srcs, positions, slots, tables, lens, first = [], [], [], [], [], [], []
+    for c, src in zip(chunks, sources):
+        first.append(len(ids))
+        ids += [0] if c.ahead else c.input_ids()
+        srcs += [src] * c.num_tokens
+        positions += range(c.start, c.end)
+        slots += plan.slots(c.seq.block_table, c.start, c.end)
+        tables += [c.seq.block_table] * c.num_tokens
+        lens += range(c.start + 1, c.end + 1)
+    return (ids, srcs, positions, slots, tables, lens), first

@@ -153,15 +153,26 @@ def build_shard(config: EngineConfig, device: torch.device, folder: str,
     if head is not None:  # NOTE: its K/V in the target's blocks (engine/drafter.py)
         executor.drafter = Eagle3Drafter(head, torch.zeros_like(kv_cache[0]),
                                          config.num_speculative_tokens, executor.plan)
-    if config.enable_cuda_graph and executor.plan.kernels and head is None:
-        # NOTE: captured once for the ceiling and the captured layer set; never again
+    if config.enable_cuda_graph and executor.plan.kernels:
+        # NOTE: captured once for the ceiling and the captured layer set (and the head's)
         graph_layers = list(layers) if config.hidden_states_ceiling != HiddenStatesMode.NONE else []
-        executor.graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs,
+        if head is not None:
+            graph_layers = sorted(set(graph_layers) | set(head.spec.aux_layers))
+        executor.graphs = DecodeGraphs(model, kv_cache, graph_rows(config),
                                        -(-max_model_len // bs), graph_layers)
         executor.graphs.capture()
     if device.type == "cuda" and config.max_logprobs:
         warm_topk(device, spec.vocab_size, config.max_logprobs)
     return Shard(model, executor, max_model_len, layers)
+
+
+def graph_rows(config: EngineConfig) -> int:
+    """The decode graphs' largest row count: a row per sequence, and with drafts room for
+    verify steps of k + 1 rows a sequence (up to 256 rows: larger verify steps run eager)."""
+    seqs = config.max_num_seqs
+    if config.speculative_method == "none":
+        return seqs
+    return min(seqs * (config.num_speculative_tokens + 1), max(seqs, 256))
 
 
 def proposer_for(config: EngineConfig) -> NgramProposer | Eagle3Proposer | None:
