@@ -2,7 +2,8 @@
 
 A random head over a tiny Llama, a batch of prompts with MODE full / last / none: float32 greedy
 tokens equal transformers' and rows within 1e-3 of the row norm, the head's drafts equal the
-plain-torch reference's (tests/eagle3_heads.py) on nearly every step; bfloat16 rows of the same
+plain-torch reference's (tests/eagle3_heads.py) on nearly every step, the target's verify steps
+and the head's steps replaying CUDA graphs captured at start; bfloat16 rows of the same
 tokens with cosine >= 0.999 against a float32 transformers forward; nothing left in the pool."""
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def test_gpu_eagle3_drafts_keep_tokens_and_rows(tiny_pair, dtype, monkeypatch, v
             for i, p in enumerate(prompts)]
         results = [s.result(timeout=300) for s in streams]
         captures = engine.executor.graphs.num_captures, len(engine.executor.graphs.graphs)
+        heads = engine.executor.drafter.graphs
+        assert heads is not None and heads.num_captures == len(heads.graphs) > 0
     finally:
         engine.shutdown()
     assert engine.pool.num_free == engine.pool.num_blocks

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from hsserve.engine.attention_plan import AttentionPlanner
+from hsserve.engine.draft_graphs import DraftGraphs
 from hsserve.engine.sequence import Status
 from hsserve.engine.speculative import accepted_length
 from hsserve.engine.types import Chunk, Launched
@@ -30,6 +31,7 @@ class Eagle3Drafter:
     def __init__(self, head: Eagle3Head, kv: torch.Tensor, k: int, plan: AttentionPlanner):
         self.head, self.kv, self.k, self.plan = head, kv, k, plan  # kv: [2, blocks, bs, kvh, hd]
         self.layers = list(head.spec.aux_layers)
+        self.graphs: DraftGraphs | None = None  # NOTE: set by engine setup on CUDA
 
     def tap(self, chunks: list[Chunk]) -> HiddenCapture:
         """The capture of the head's three target layers at every row of the step."""
@@ -95,6 +97,10 @@ class Eagle3Drafter:
 
     def _run(self, chunks: list[Chunk], ids: list[int], state: torch.Tensor):
         slots = [s for c in chunks for s in self.plan.slots(c.seq.block_table, c.start, c.end)]
+        if self.graphs is not None and self.graphs.fits(len(ids)):
+            positions = [p for c in chunks for p in range(c.start, c.end)]
+            tables = [c.seq.block_table for c in chunks for _ in range(c.num_tokens)]
+            return self.graphs.run(ids, positions, slots, tables, state)
         batch = self.plan.batch(chunks, slots)
         dev = self.kv.device
         positions = torch.tensor([p for c in chunks for p in range(c.start, c.end)], device=dev)

@@ -12,6 +12,7 @@ import torch
 from hsserve.engine.block_pool import BlockPool
 from hsserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from hsserve.engine.cuda_graphs import DecodeGraphs
+from hsserve.engine.draft_graphs import DraftGraphs
 from hsserve.engine.drafter import Eagle3Drafter
 from hsserve.engine.executor import Executor
 from hsserve.engine.hidden_rows import HiddenRows
@@ -161,6 +162,11 @@ def build_shard(config: EngineConfig, device: torch.device, folder: str,
         executor.graphs = DecodeGraphs(model, kv_cache, graph_rows(config),
                                        -(-max_model_len // bs), graph_layers)
         executor.graphs.capture()
+        if head is not None:
+            drafts = DraftGraphs(head, executor.drafter.kv, executor.graphs.max_batch,
+                                 -(-max_model_len // bs))
+            drafts.capture()
+            executor.drafter.graphs = drafts
     if device.type == "cuda" and config.max_logprobs:
         warm_topk(device, spec.vocab_size, config.max_logprobs)
     return Shard(model, executor, max_model_len, layers)
