@@ -108,14 +108,14 @@ def graph_replay_ms(engine: Engine, batch: int, with_rows: bool = False) -> floa
 
 def make_engine(folder: str, batch: int, ceiling=HiddenStatesMode.FULL,
                 async_scheduling: str = "auto", tp: int = 1, quantization: str = "none",
-                max_model_len: int = PROMPT + NEW + 16) -> Engine:
+                max_model_len: int = PROMPT + NEW + 16, **extra) -> Engine:
     return Engine(EngineConfig(model=folder, device="cuda", load_format="dummy", dtype="bfloat16",
                                async_scheduling=async_scheduling, tensor_parallel_size=tp,
                                quantization=quantization,
                                max_num_seqs=max(batch, 1), max_model_len=max_model_len,
                                hidden_states_ceiling=ceiling,
                                hidden_layers_captured=(-1,) if ceiling else None,
-                               max_num_batched_tokens=max(2048, batch * PROMPT))).start()
+                               max_num_batched_tokens=max(2048, batch * PROMPT), **extra)).start()
 
 
 def best_of(engine: Engine, batch: int, repeats: int, modes=(HiddenStatesMode.NONE,)) -> dict:

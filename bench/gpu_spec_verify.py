@@ -3,7 +3,7 @@ head's end-to-end cost, random weights in real shapes (issue 44, item 6).
 
 A proposer that always drafts k tokens (repeats of the last token; the target rejects nearly all)
 makes every decode step a verify step of k + 1 rows: its step_ms (gpu_decode.py's measure) over
-the plain engine's (CUDA graphs) is the verify step's cost. Then batch 1 with a random EAGLE-3
+the same engine's without a proposer is the verify step's cost (both through the CUDA graphs). Then batch 1 with a random EAGLE-3
 head (acceptance ~0 on random weights: what the head costs before it is accepted), tokens a step
 and drafts reported. Run on the GPU machine:
 
@@ -57,8 +57,11 @@ def main() -> None:
     folder = random_model(args.shape)
     rows = []
     for batch in args.batches:
-        engine = make_engine(folder, batch)
+        # NOTE: configured for drafts (the graphs then hold verify steps), measured plain first
+        engine = make_engine(folder, batch, speculative_method="ngram",
+                             num_speculative_tokens=args.k)
         try:
+            engine.scheduler.proposer = None
             plain = step(engine, batch, args.repeats)
             engine.scheduler.proposer = AlwaysDraft(args.k)
             verify = step(engine, batch, args.repeats)
