@@ -71,17 +71,21 @@ class DraftGraphs:
     def fits(self, rows: int) -> bool:
         return rows <= self.max_rows
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int],
+    def run(self, ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
             tables: list[list[int]], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head step over len(ids) rows (tables: each row's block table; state: [rows, H]
-        on the device); returns (pre-norm output, greedy target ids) for those rows."""
+        """One head step over len(ids) rows (ids: a list, or on the device; tables: each row's
+        block table; state: [rows, H] on the device); returns (pre-norm output, greedy target
+        ids) for those rows."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         pad = size - n
         lens = [p + 1 for p in positions]
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
+        known = ids if isinstance(ids, list) else [0] * n
+        host = torch.tensor([known + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
                              lens + [0] * pad], dtype=torch.long)
         self.meta[:, :size].copy_(host, non_blocking=True)
+        if isinstance(ids, torch.Tensor):
+            self.ids[:n].copy_(ids)
         width = max(len(t) for t in tables)
         packed = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         self.tables[:n, :width].copy_(packed, non_blocking=True)

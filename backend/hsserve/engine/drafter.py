@@ -69,33 +69,47 @@ class Eagle3Drafter:
         if not live:
             return
         pick = ends[live].to(dev)
-        state, firsts = out[pick], best[pick].tolist()
-        drafts = {i: [t] for i, t in zip(live, firsts)}
         positions = {i: chunks[i].end for i in live}
-        self._extend(chunks, expects, live, drafts, positions, state)
+        # NOTE: drafts stay on the device (each step's input is the last one's output) and are
+        # read once, at the end
+        orders, found = self._extend(chunks, expects, live, positions, out[pick],
+                                     best[pick].clone())
+        flat = iter(torch.cat(found).tolist())
+        drafts: dict[int, list[int]] = {i: [] for i in live}
+        for order in orders:
+            for i in order:
+                drafts[i].append(next(flat))
         for i in live:
             chunks[i].seq.proposal = (expects[i], tuple(drafts[i]))
 
-    def _extend(self, chunks, expects, live, drafts, positions, state) -> None:
+    def _extend(self, chunks, expects, live, positions, state, best):
         """Further head steps, one row per drafting sequence, while its draft is short of k (and
-        of its length limit) and its next position has a block."""
+        of its length limit) and its next position has a block: (each step's sequences, each
+        step's drafts on the device), the first step's included."""
         bs = self.plan.block_size
         order = list(live)
+        orders, found = [order], [best]
+        counts = dict.fromkeys(live, 1)
         for _ in range(self.k - 1):
             keep = [j for j, i in enumerate(order)
-                    if len(drafts[i]) < min(self.k, chunks[i].seq.max_num_tokens - expects[i] - 1)
+                    if counts[i] < min(self.k, chunks[i].seq.max_num_tokens - expects[i] - 1)
                     and positions[i] < len(chunks[i].seq.block_table) * bs]
             if not keep:
-                return
+                break
+            index = torch.tensor(keep, device=state.device)
             order = [order[j] for j in keep]
-            state = state[torch.tensor(keep, device=state.device)]
             step = [Chunk(chunks[i].seq, positions[i], 1) for i in order]
-            state, best = self._run(step, [drafts[i][-1] for i in order], state)
-            for i, t in zip(order, best.tolist()):
-                drafts[i].append(t)
+            state, best = self._run(step, best[index], state[index])
+            best = best.clone()  # NOTE: a graph's output buffer: the next replay rewrites it
+            orders.append(order)
+            found.append(best)
+            for i in order:
+                counts[i] += 1
                 positions[i] += 1
+        return orders, found
 
-    def _run(self, chunks: list[Chunk], ids: list[int], state: torch.Tensor):
+    def _run(self, chunks: list[Chunk], ids: list[int] | torch.Tensor, state: torch.Tensor):
+        """One head step; ids: a list, or on the device (the previous step's drafts)."""
         slots = [s for c in chunks for s in self.plan.slots(c.seq.block_table, c.start, c.end)]
         if self.graphs is not None and self.graphs.fits(len(ids)):
             positions = [p for c in chunks for p in range(c.start, c.end)]
@@ -104,7 +118,8 @@ class Eagle3Drafter:
         batch = self.plan.batch(chunks, slots)
         dev = self.kv.device
         positions = torch.tensor([p for c in chunks for p in range(c.start, c.end)], device=dev)
-        return self.head(torch.tensor(ids, device=dev), positions, state, batch, self.kv)
+        ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=dev)
+        return self.head(ids, positions, state, batch, self.kv)
 
     @staticmethod
     def _kept(c: Chunk, sampled: bool, token) -> tuple[list[int], int | None] | None:
