@@ -108,6 +108,7 @@ for part in $parts; do
               --concurrency 64 --out "$OUT/${OPENAI_OUT:-h200_openai_gateway}.json" 2>&1 \
               | grep -v "^[IW]1\|^\[W" | tail -6 ;;
     spec_verify) timeout 500 python3 bench/gpu_spec_verify.py --shape llama-8b --batches 1 16 --k 4 \
+                   ${SPEC_ARGS:-} \
                    --out "$OUT/${SPEC_OUT:-h200_spec_decode}.json" 2>&1 | grep "^{\|Error" ;;
     none) ;;  # NOTE: the set-up only
     *) echo "gpu_session.sh: unknown part $part" >&2 ;;
