@@ -51,15 +51,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rows-gemm", action="store_true",
-                    help="bf16 linears at 2-16 rows through the swapped kernel (models/linear.py)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "h200_spec_decode.json"))
     args = ap.parse_args()
-    if args.rows_gemm:
-        import hsserve.models.linear as linear
-
-        linear.ROWS_GEMM = True
     folder = random_model(args.shape)
     rows = []
     for batch in args.batches:
@@ -94,7 +88,7 @@ def main() -> None:
     eagle = dict(shape=args.shape, batch=1, k=k3, **e,
                  over_plain=round(e["step_ms"] / rows[0]["plain_step_ms"], 3))
     print(eagle, flush=True)
-    write_result(args.out, dict(rows=rows, rows_gemm=args.rows_gemm, eagle3_random_head=eagle,
+    write_result(args.out, dict(rows=rows, eagle3_random_head=eagle,
                                 note="verify: every step k drafts, nearly all rejected; "
                                      "eagle3: a random head, acceptance ~0"))
 

@@ -118,25 +118,6 @@ def test_gemv_matches_reference(dtype, rows, n, k):
     check_gemv("cuda", dtype, rows, n, k)
 
 
-@pytest.mark.parametrize("rows, n, k, bias", [(2, 4096, 4096, False), (5, 6144, 4096, True),
-                                              (16, 4096, 14336, False), (7, 1000, 576, False)])
-def test_rows_gemm_matches_linear(rows, n, k, bias):
-    """The swapped GEMM for plain bf16 weights at a verify step's rows (K split and not)."""
-    from hsserve.kernels.fp8 import rows_gemm
-
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
-    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
-    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    y = rows_gemm(x, w, b)
-    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
-    into = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, generator=g)
-    torch.testing.assert_close(rows_gemm(x, w, b, into.clone()).float(), into.float() + ref,
-                               atol=3e-2, rtol=2e-2)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("inter, k, rms", [(8192, 2048, True), (14336, 4096, False),
                                            (1536, 576, True), (40, 200, False)])

@@ -225,34 +225,6 @@ def _swap_gemm(x, w8, scales, bias, into, cfg) -> torch.Tensor:
     return y
 
 
-def rows_config(n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
-    """The swapped GEMM for a plain (bf16) weight at 2-16 rows (a verify step's): 64-row weight
-    tiles, K split until the tiles fill the SMs twice."""
-    tiles = triton.cdiv(n, 64)
-    splits = max(1, min(8, k // 1024, triton.cdiv(2 * sms, tiles)))
-    return 64, 16, 128, splits, 4, 4
-
-
-def rows_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-              into: torch.Tensor | None = None, cfg: tuple | None = None) -> torch.Tensor:
-    """x [2..16, K] against a plain weight W [N, K] through the swapped kernel (unit scales)."""
-    n, k = w.shape
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    cfg = cfg or rows_config(n, k, sms)
-    unit = Fp8Scales(_unit(n, x.device))
-    return _swap_gemm(x, w, unit, bias, into, cfg)
-
-
-_UNITS: dict = {}
-
-
-def _unit(n: int, device: torch.device) -> torch.Tensor:
-    key = (n, device)
-    if key not in _UNITS:
-        _UNITS[key] = torch.ones(n, dtype=torch.float32, device=device)
-    return _UNITS[key]
-
-
 DEQUANT_ROWS = 512  # NOTE: from here (not in a graph) W widened once + cuBLAS wins (bench/README.md#fp8-gemm-configs)
 
 

@@ -28,13 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hsserve.kernels import cpu_ops
-from hsserve.kernels.fp8 import Fp8Scales, fp8_gemm, fp8_linear_ref, rows_gemm
+from hsserve.kernels.fp8 import Fp8Scales, fp8_gemm, fp8_linear_ref
 from hsserve.kernels.gemv import gemv, gemv_fits
 from hsserve.models.fp8 import FP8, FP8_MAX, quantize_input
 
-# NOTE: bf16 weights at 2-16 rows (a verify step) through the swapped kernel instead of cuBLAS;
-# off until measured (bench/bf16_rows.py, gpu_spec_verify.py --rows-gemm)
-ROWS_GEMM = False
 _PACK_BATCH_HINT = 32  # NOTE: best across M = 1..2048 (bench/README.md#cpu-mkl-packed-linears)
 # NOTE: the dense copy doubles the linears' memory: kept only up to this many bytes of them
 _KEEP_DENSE_MAX_BYTES = 2 << 30
@@ -107,8 +104,6 @@ class Linear(nn.Module):
             return y if into is None else into.add_(y)
         if self.takes_gemv(x):
             return gemv(x, self.weight, into)
-        if ROWS_GEMM and x.is_cuda and x.dim() == 2 and 2 <= len(x) <= 16:
-            return rows_gemm(x, self.weight, self.bias, into)
         if into is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None and x.dim() == 2:
