@@ -1,4 +1,5 @@
 """DecodeGraphs: the decode step (every row one token) as CUDA graphs, captured once at start.
+A draft's verify fits too: its positions are rows of their own (executor.graph_inputs).
 
 One graph per batch size of a ladder (a batch runs in the smallest size that holds it; padding
 rows have length 0 and slot -1, so they read and write nothing) and, when the server's ceiling is
