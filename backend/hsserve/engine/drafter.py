@@ -111,15 +111,14 @@ class Eagle3Drafter:
     def _run(self, chunks: list[Chunk], ids: list[int] | torch.Tensor, state: torch.Tensor):
         """One head step; ids: a list, or on the device (the previous step's drafts)."""
         slots = [s for c in chunks for s in self.plan.slots(c.seq.block_table, c.start, c.end)]
+        positions = [p for c in chunks for p in range(c.start, c.end)]
         if self.graphs is not None and self.graphs.fits(len(ids)):
-            positions = [p for c in chunks for p in range(c.start, c.end)]
             tables = [c.seq.block_table for c in chunks for _ in range(c.num_tokens)]
             return self.graphs.run(ids, positions, slots, tables, state)
         batch = self.plan.batch(chunks, slots)
         dev = self.kv.device
-        positions = torch.tensor([p for c in chunks for p in range(c.start, c.end)], device=dev)
         ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=dev)
-        return self.head(ids, positions, state, batch, self.kv)
+        return self.head(ids, torch.tensor(positions, device=dev), state, batch, self.kv)
 
     @staticmethod
     def _kept(c: Chunk, sampled: bool, token) -> tuple[list[int], int | None] | None:

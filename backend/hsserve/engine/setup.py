@@ -159,12 +159,11 @@ def build_shard(config: EngineConfig, device: torch.device, folder: str,
         graph_layers = list(layers) if config.hidden_states_ceiling != HiddenStatesMode.NONE else []
         if head is not None:
             graph_layers = sorted(set(graph_layers) | set(head.spec.aux_layers))
-        executor.graphs = DecodeGraphs(model, kv_cache, graph_rows(config),
-                                       -(-max_model_len // bs), graph_layers)
+        pages = -(-max_model_len // bs)
+        executor.graphs = DecodeGraphs(model, kv_cache, graph_rows(config), pages, graph_layers)
         executor.graphs.capture()
         if head is not None:
-            drafts = DraftGraphs(head, executor.drafter.kv, executor.graphs.max_batch,
-                                 -(-max_model_len // bs))
+            drafts = DraftGraphs(head, executor.drafter.kv, executor.graphs.max_batch, pages)
             drafts.capture()
             executor.drafter.graphs = drafts
     if device.type == "cuda" and config.max_logprobs:
